@@ -1,0 +1,527 @@
+"""The framework-agnostic public API on NumPy arrays (re-exported by ``lightcc``).
+
+Every collective has an ``*_async`` form that returns a :class:`~.engine.Handle` at once and
+a blocking form (``synchronize(*_async(...))``). Names identify a tensor across ranks; when
+omitted, one is generated from a per-process-set counter, so ranks must then issue unnamed
+collectives in the same order. Allreduce and reducescatter average by default, as in Horovod.
+"""
+from __future__ import annotations
+
+import atexit
+import logging
+import threading
+from typing import Any, Sequence
+
+import numpy as np
+
+from . import config as config_mod
+from . import dtypes
+from .engine import Engine, Handle
+from .exceptions import (InvalidArgumentError, LightCCError, NotInitializedError,
+                         UnsupportedDTypeError)
+from .messages import Coll, Request
+
+Sum = "sum"
+Average = "average"
+Min = "min"
+Max = "max"
+Product = "prod"
+Adasum = "adasum"
+
+log = logging.getLogger("lightcc")
+_lock = threading.RLock()
+_engine: Engine | None = None
+_atexit_registered = False
+
+
+class ProcessSet:
+    """A subset of ranks that runs collectives on its own (Horovod's ``ProcessSet``).
+
+    Create it with the member ranks, then register it on every rank with
+    :func:`add_process_set` (or pass it to ``init(process_sets=[...])``).
+    """
+
+    def __init__(self, ranks: Sequence[int] | None = None) -> None:
+        self.ranks: list[int] | None = None if ranks is None else sorted(int(r) for r in ranks)
+        self.process_set_id: int | None = None
+
+    def _require(self) -> tuple[Engine, int]:
+        eng = _get()
+        if self.process_set_id is None:
+            raise InvalidArgumentError("this ProcessSet has not been added; call "
+                                       "add_process_set() on every rank first")
+        return eng, self.process_set_id
+
+    def size(self) -> int:
+        eng, pid = self._require()
+        return len(eng.pset(pid).ranks)
+
+    def rank(self) -> int:
+        """This process's rank within the set (-1 when not a member)."""
+        eng, pid = self._require()
+        idx = eng.pset(pid).index(eng.rank)
+        return -1 if idx is None else idx
+
+    def included(self) -> bool:
+        eng, pid = self._require()
+        return eng.rank in eng.pset(pid).ranks
+
+    def __repr__(self) -> str:
+        return f"ProcessSet(process_set_id={self.process_set_id}, ranks={self.ranks})"
+
+
+global_process_set = ProcessSet()
+global_process_set.process_set_id = 0
+
+
+# ---- lifecycle ------------------------------------------------------------------------------
+def init(comm: Any = None, process_sets: Sequence[ProcessSet] | None = None,
+         **overrides: Any) -> None:
+    """Start lightcc on this process (collective over ``comm``, default MPI.COMM_WORLD).
+
+    ``overrides`` take precedence over ``LCC_*`` variables, by field name
+    (``init(fusion_threshold=8 << 20, algorithm="ring")``). Calling it again while initialized
+    does nothing; after ``shutdown()`` it starts a fresh runtime.
+    """
+    global _engine, _atexit_registered
+    with _lock:
+        if _engine is not None:
+            return
+        cfg = config_mod.load(overrides)
+        _setup_logging(cfg.log_level)
+        from mpi4py import MPI
+
+        if MPI.Query_thread() < MPI.THREAD_SERIALIZED:
+            raise LightCCError("MPI was initialized without thread support; lightcc needs "
+                               "MPI_THREAD_SERIALIZED or better (do not set "
+                               "mpi4py.rc.thread_level below 'serialized')")
+        if comm is None:
+            comm = MPI.COMM_WORLD
+        elif isinstance(comm, (list, tuple)):
+            comm = MPI.COMM_WORLD.Create_group(MPI.COMM_WORLD.Get_group().Incl(list(comm)))
+        hostnames = comm.allgather(MPI.Get_processor_name())
+        _engine = Engine(cfg, comm, hostnames)
+        _install_rank_prefix(_engine.rank)
+        global_process_set.ranks = list(range(_engine.size))
+        if not _atexit_registered:
+            atexit.register(shutdown)
+            _atexit_registered = True
+    for ps in process_sets or ():
+        add_process_set(ps)
+
+
+def shutdown() -> None:
+    """Stop the background thread; pending collectives fail with ``ShutdownError``."""
+    global _engine
+    with _lock:
+        eng, _engine = _engine, None
+    if eng is not None:
+        eng.shutdown(eng.config.shutdown_timeout)
+
+
+def is_initialized() -> bool:
+    return _engine is not None
+
+
+def _get() -> Engine:
+    eng = _engine
+    if eng is None:
+        raise NotInitializedError("lightcc is not initialized: call lightcc.init() first "
+                                  "(or it was shut down)")
+    return eng
+
+
+def engine() -> Engine:
+    """The running engine (for the torch layer, the timeline and the autotuner)."""
+    return _get()
+
+
+def config() -> config_mod.Config:
+    return _get().config
+
+
+def rank() -> int:
+    return _get().rank
+
+
+def size() -> int:
+    return _get().size
+
+
+def local_rank() -> int:
+    return _get().topo.local_rank
+
+
+def local_size() -> int:
+    return _get().topo.local_size
+
+
+def cross_rank() -> int:
+    return _get().topo.cross_rank
+
+
+def cross_size() -> int:
+    return _get().topo.cross_size
+
+
+def is_homogeneous() -> bool:
+    return _get().topo.is_homogeneous
+
+
+def stats() -> dict[str, Any]:
+    """Wire bytes and call counts per communicator, plus totals, since ``init()``."""
+    eng = _get()
+    comms = {"world": eng.topo.world, "local": eng.topo.local, "cross": eng.topo.cross}
+    for pid, info in eng.psets.items():
+        if pid and info.topo is not None:
+            comms[f"pset{pid}"] = info.topo.world
+    out: dict[str, Any] = {name: c.stats.snapshot() for name, c in comms.items()}
+    out["bytes_sent"] = sum(v["bytes_sent"] for v in out.values())
+    out["bytes_received"] = sum(v["bytes_received"] for k, v in out.items()
+                                if isinstance(v, dict))
+    return out
+
+
+# ---- helpers --------------------------------------------------------------------------------
+def _setup_logging(level: str) -> None:
+    mapping = {"trace": logging.DEBUG, "debug": logging.DEBUG, "info": logging.INFO,
+               "warning": logging.WARNING, "error": logging.ERROR, "fatal": logging.CRITICAL}
+    log.setLevel(mapping[level])
+    if not log.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("[lightcc %(rank)s] %(levelname)s: %(message)s"))
+        log.addHandler(handler)
+        log.propagate = False
+
+
+class _RankFilter(logging.Filter):
+    def __init__(self, rank: int) -> None:
+        super().__init__()
+        self.rank = rank
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.rank = f"rank {self.rank}"
+        return True
+
+
+def _install_rank_prefix(rank_: int) -> None:
+    for f in list(log.filters):
+        if isinstance(f, _RankFilter):
+            log.removeFilter(f)
+    log.addFilter(_RankFilter(rank_))
+
+
+def _pset_id(process_set: Any) -> int:
+    if process_set is None:
+        return 0
+    if isinstance(process_set, ProcessSet):
+        if process_set.process_set_id is None:
+            raise InvalidArgumentError("process set was not added with add_process_set()")
+        return process_set.process_set_id
+    if isinstance(process_set, int):
+        return process_set
+    raise InvalidArgumentError(f"process_set must be a ProcessSet, got {type(process_set)}")
+
+
+def _as_array(value: Any, what: str) -> np.ndarray:
+    if isinstance(value, np.ndarray):
+        arr = value
+    elif isinstance(value, (list, tuple, int, float, bool, np.generic)):
+        arr = np.asarray(value)
+    elif hasattr(value, "__array__") or hasattr(value, "__array_interface__"):
+        arr = np.asarray(value)
+    else:
+        raise UnsupportedDTypeError(f"{what}: expected a NumPy array, got "
+                                    f"{type(value).__name__}")
+    if arr.dtype == object:
+        _bad_dtype(arr, what)
+    dtypes.name_of(arr.dtype)
+    return arr
+
+
+def _bad_dtype(arr: np.ndarray, what: str) -> None:
+    raise UnsupportedDTypeError(f"{what}: dtype {arr.dtype} is not supported; supported: "
+                                f"{', '.join(sorted(dtypes.SUPPORTED))}")
+
+
+def _name(eng: Engine, coll: Coll, name: str | None, pset: int) -> str:
+    if name is None:
+        return eng.auto_name(coll, pset)
+    if not isinstance(name, str):
+        raise InvalidArgumentError(f"name must be a str, got {type(name).__name__}")
+    return name
+
+
+def _op(op: Any, default: str, what: str, dtype: str) -> str:
+    op = default if op is None else op
+    if op == Adasum:
+        raise InvalidArgumentError(f"{what}: Adasum is not supported by lightcc; use Average")
+    if not isinstance(op, str):
+        raise InvalidArgumentError(f"{what}: op must be one of Sum, Average, Min, Max, Product")
+    dtypes.check_op(op, dtype, what)
+    return op
+
+
+def _scales(pre: float, post: float, dtype: str, what: str) -> tuple[float, float]:
+    pre, post = float(pre), float(post)
+    if (pre != 1.0 or post != 1.0) and dtype not in dtypes.FLOATING:
+        raise InvalidArgumentError(f"{what}: prescale/postscale factors need a floating-point "
+                                   f"tensor, got {dtype}")
+    return pre, post
+
+
+def _compression_spec(compression: Any) -> str:
+    if compression is None:
+        return "none"
+    spec = getattr(compression, "spec", compression)
+    if not isinstance(spec, str):
+        raise InvalidArgumentError(f"compression must be a Compression value or spec string, "
+                                   f"got {compression!r}")
+    from . import compression as comp_mod
+
+    comp_mod.make(spec)  # validates the name now, on the user's thread
+    return spec
+
+
+# ---- collectives ----------------------------------------------------------------------------
+def allreduce_async(array: Any, op: str | None = None, name: str | None = None,
+                    prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                    process_set: Any = None, compression: Any = None,
+                    out: np.ndarray | None = None) -> Handle:
+    """Start reducing ``array`` over the process set (default op: Average).
+
+    With ``out`` (same shape and dtype), the result is written there (``out`` may be
+    ``array`` itself for an in-place reduction) and the handle returns it.
+    """
+    eng = _get()
+    arr = _as_array(array, "allreduce")
+    dt = dtypes.name_of(arr.dtype)
+    pset = _pset_id(process_set)
+    eng.pset(pset)
+    nm = _name(eng, Coll.ALLREDUCE, name, pset)
+    what = f"allreduce '{nm}'"
+    op_ = _op(op, Average, what, dt)
+    pre, post = _scales(prescale_factor, postscale_factor, dt, what)
+    if out is not None and (out.shape != arr.shape or out.dtype != arr.dtype):
+        raise InvalidArgumentError(f"{what}: out has shape {out.shape} {out.dtype}, input "
+                                   f"{arr.shape} {arr.dtype}")
+    req = Request(Coll.ALLREDUCE, nm, dt, tuple(arr.shape), op_, -1, pre, post, (),
+                  _compression_spec(compression), pset)
+    return eng.submit(req, arr, out)
+
+
+def allreduce(array: Any, op: str | None = None, name: str | None = None,
+              prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+              process_set: Any = None, compression: Any = None) -> np.ndarray:
+    """Reduce ``array`` over the process set and return the result (default op: Average)."""
+    return synchronize(allreduce_async(array, op, name, prescale_factor, postscale_factor,
+                                       process_set, compression))
+
+
+class GroupHandle:
+    """Handles of a grouped collective; completes when all members do."""
+
+    def __init__(self, handles: list[Handle]) -> None:
+        self.handles = handles
+
+    def done(self) -> bool:
+        return all(h.done() for h in self.handles)
+
+    def wait(self, timeout: float | None = None) -> list[Any]:
+        return [h.wait(timeout) for h in self.handles]
+
+
+def grouped_allreduce_async(arrays: Sequence[Any], op: str | None = None,
+                            name: str | None = None, prescale_factor: float = 1.0,
+                            postscale_factor: float = 1.0, process_set: Any = None,
+                            compression: Any = None,
+                            outs: Sequence[np.ndarray] | None = None) -> GroupHandle:
+    """Allreduce a list of arrays as one group (fused together when they fit)."""
+    eng = _get()
+    pset = _pset_id(process_set)
+    base = _name(eng, Coll.ALLREDUCE, name, pset)
+    outs = list(outs) if outs is not None else [None] * len(arrays)
+    return GroupHandle([allreduce_async(a, op, f"{base}.{i}", prescale_factor,
+                                        postscale_factor, process_set, compression, o)
+                        for i, (a, o) in enumerate(zip(arrays, outs))])
+
+
+def grouped_allreduce(arrays: Sequence[Any], op: str | None = None, name: str | None = None,
+                      prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                      process_set: Any = None, compression: Any = None) -> list[np.ndarray]:
+    return synchronize(grouped_allreduce_async(arrays, op, name, prescale_factor,
+                                               postscale_factor, process_set, compression))
+
+
+def allgather_async(array: Any, name: str | None = None, process_set: Any = None) -> Handle:
+    """Start concatenating every rank's ``array`` along the first dimension (sizes may differ)."""
+    eng = _get()
+    arr = _as_array(array, "allgather")
+    dt = dtypes.name_of(arr.dtype)
+    pset = _pset_id(process_set)
+    eng.pset(pset)
+    nm = _name(eng, Coll.ALLGATHER, name, pset)
+    if arr.ndim == 0:
+        raise InvalidArgumentError(f"allgather '{nm}': needs at least one dimension, got a "
+                                   f"0-d array (reshape it to (1,))")
+    return eng.submit(Request(Coll.ALLGATHER, nm, dt, tuple(arr.shape), pset=pset), arr)
+
+
+def allgather(array: Any, name: str | None = None, process_set: Any = None) -> np.ndarray:
+    return synchronize(allgather_async(array, name, process_set))
+
+
+def broadcast_async(array: Any, root_rank: int, name: str | None = None,
+                    process_set: Any = None, out: np.ndarray | None = None) -> Handle:
+    """Start copying ``root_rank``'s ``array`` to every rank (rank within the process set)."""
+    eng = _get()
+    arr = _as_array(array, "broadcast")
+    dt = dtypes.name_of(arr.dtype)
+    pset = _pset_id(process_set)
+    members = eng.pset(pset).ranks
+    nm = _name(eng, Coll.BROADCAST, name, pset)
+    if not isinstance(root_rank, (int, np.integer)) or not 0 <= int(root_rank) < len(members):
+        raise InvalidArgumentError(f"broadcast '{nm}': root_rank {root_rank!r} is out of range "
+                                   f"for a process set of {len(members)} ranks")
+    return eng.submit(Request(Coll.BROADCAST, nm, dt, tuple(arr.shape), root=int(root_rank),
+                              pset=pset), arr, out)
+
+
+def broadcast(array: Any, root_rank: int, name: str | None = None,
+              process_set: Any = None) -> np.ndarray:
+    return synchronize(broadcast_async(array, root_rank, name, process_set))
+
+
+def alltoall_async(array: Any, splits: Sequence[int] | None = None, name: str | None = None,
+                   process_set: Any = None) -> Handle:
+    """Start an all-to-all: rows ``splits[r]`` of ``array`` go to rank r (even split if None).
+
+    The result is ``(output, received_splits)`` when ``splits`` is given, else ``output``.
+    """
+    eng = _get()
+    arr = _as_array(array, "alltoall")
+    dt = dtypes.name_of(arr.dtype)
+    pset = _pset_id(process_set)
+    n = len(eng.pset(pset).ranks)
+    nm = _name(eng, Coll.ALLTOALL, name, pset)
+    what = f"alltoall '{nm}'"
+    if arr.ndim == 0:
+        raise InvalidArgumentError(f"{what}: needs at least one dimension")
+    if splits is None:
+        if arr.shape[0] % n:
+            raise InvalidArgumentError(f"{what}: first dimension {arr.shape[0]} is not "
+                                       f"divisible by {n} ranks; pass splits")
+        split_list = (arr.shape[0] // n,) * n
+    else:
+        split_list = tuple(int(s) for s in np.asarray(splits).reshape(-1))
+        if len(split_list) != n:
+            raise InvalidArgumentError(f"{what}: splits has {len(split_list)} entries, the "
+                                       f"process set has {n} ranks")
+        if any(s < 0 for s in split_list) or sum(split_list) != arr.shape[0]:
+            raise InvalidArgumentError(f"{what}: splits {list(split_list)} must be >= 0 and "
+                                       f"sum to the first dimension {arr.shape[0]}")
+    handle = eng.submit(Request(Coll.ALLTOALL, nm, dt, tuple(arr.shape), splits=split_list,
+                                pset=pset), arr)
+    if splits is None:
+        return _Derived(handle, lambda res: res[0])
+    return handle
+
+
+def alltoall(array: Any, splits: Sequence[int] | None = None, name: str | None = None,
+             process_set: Any = None) -> Any:
+    return synchronize(alltoall_async(array, splits, name, process_set))
+
+
+def reducescatter_async(array: Any, op: str | None = None, name: str | None = None,
+                        process_set: Any = None, prescale_factor: float = 1.0,
+                        postscale_factor: float = 1.0) -> Handle:
+    """Start reducing ``array`` and scattering its first dimension (earlier ranks get extra)."""
+    eng = _get()
+    arr = _as_array(array, "reducescatter")
+    dt = dtypes.name_of(arr.dtype)
+    pset = _pset_id(process_set)
+    eng.pset(pset)
+    nm = _name(eng, Coll.REDUCESCATTER, name, pset)
+    what = f"reducescatter '{nm}'"
+    if arr.ndim == 0:
+        raise InvalidArgumentError(f"{what}: needs at least one dimension")
+    op_ = _op(op, Average, what, dt)
+    pre, post = _scales(prescale_factor, postscale_factor, dt, what)
+    return eng.submit(Request(Coll.REDUCESCATTER, nm, dt, tuple(arr.shape), op_, -1, pre, post,
+                              pset=pset), arr)
+
+
+def reducescatter(array: Any, op: str | None = None, name: str | None = None,
+                  process_set: Any = None, prescale_factor: float = 1.0,
+                  postscale_factor: float = 1.0) -> np.ndarray:
+    return synchronize(reducescatter_async(array, op, name, process_set, prescale_factor,
+                                           postscale_factor))
+
+
+def barrier(process_set: Any = None) -> None:
+    """Wait until every rank of the process set has called ``barrier``."""
+    eng = _get()
+    pset = _pset_id(process_set)
+    eng.pset(pset)
+    synchronize(eng.submit(Request(Coll.BARRIER, eng.auto_name(Coll.BARRIER, pset), pset=pset)))
+
+
+def join() -> int:
+    """Stop contributing: until every rank has joined, this rank's share of allreduces is
+    zeros (and of allgathers empty). Returns the last rank to join."""
+    eng = _get()
+    eng._joined = True
+    return synchronize(eng.submit(Request(Coll.JOIN, "join")))
+
+
+def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:
+    """Register a process set (collective: every rank calls it with the same ranks)."""
+    eng = _get()
+    ps = process_set if isinstance(process_set, ProcessSet) else ProcessSet(process_set)
+    if ps.process_set_id is not None:
+        raise InvalidArgumentError(f"{ps} was already added")
+    ranks = tuple(ps.ranks or ())
+    if not ranks or len(set(ranks)) != len(ranks) or not all(0 <= r < eng.size for r in ranks):
+        raise InvalidArgumentError(f"process set ranks {list(ranks)} must be distinct ranks in "
+                                   f"0..{eng.size - 1}")
+    req = Request(Coll.ADD_PSET, f"add_process_set{list(ranks)}", splits=ranks)
+    ps.process_set_id = int(synchronize(eng.submit(req)))
+    return ps
+
+
+def remove_process_set(process_set: ProcessSet) -> bool:
+    """Unregister a process set (collective over all ranks). Returns True when removed."""
+    eng = _get()
+    pid = _pset_id(process_set)
+    if pid == 0:
+        raise InvalidArgumentError("the global process set cannot be removed")
+    eng.pset(pid)
+    synchronize(eng.submit(Request(Coll.REMOVE_PSET, f"remove_process_set.{pid}", root=pid)))
+    if isinstance(process_set, ProcessSet):
+        process_set.process_set_id = None
+    return True
+
+
+# ---- handles --------------------------------------------------------------------------------
+class _Derived:
+    """A handle whose result is a function of another's."""
+
+    def __init__(self, inner: Handle, fn: Any) -> None:
+        self.inner, self.fn = inner, fn
+        self.request = inner.request
+
+    def done(self) -> bool:
+        return self.inner.done()
+
+    def wait(self, timeout: float | None = None) -> Any:
+        return self.fn(self.inner.wait(timeout))
+
+
+def poll(handle: Any) -> bool:
+    """True when the collective behind ``handle`` has finished (never blocks)."""
+    return handle.done()
+
+
+def synchronize(handle: Any) -> Any:
+    """Wait for ``handle`` and return its result; raises the collective's error if it failed."""
+    return handle.wait()

@@ -1,0 +1,142 @@
+"""``Communicator`` over mpi4py for host (NumPy) arrays.
+
+Reductions map the array's dtype to the matching MPI datatype; data movement without
+arithmetic (gather, broadcast, all-to-all) travels as bytes, so any dtype (float16, bfloat16,
+fp8) can be moved. Messages larger than :data:`MAX_CHUNK_ELEMS` are split so that MPI's
+32-bit counts never overflow. Byte counts per call follow the usual cost model of each
+collective (what an optimal algorithm sends), so benchmarks can compare formats; see
+``WireStats``.
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import numpy as np
+
+from .base import WireStats, displacements
+
+MAX_CHUNK_ELEMS = 1 << 30  # elements per reduction call; keeps MPI int counts in range
+
+
+def _mpi():
+    from mpi4py import MPI
+
+    return MPI
+
+
+_OPS = {"sum": "SUM", "min": "MIN", "max": "MAX", "prod": "PROD"}
+
+
+def _as_bytes(buf: np.ndarray) -> np.ndarray:
+    return buf.reshape(-1).view(np.uint8)
+
+
+class _Req:
+    """Adapts an mpi4py request to the protocol's ``wait``/``test``."""
+
+    def __init__(self, req: Any) -> None:
+        self._req = req
+
+    def wait(self) -> None:
+        self._req.Wait()
+
+    def test(self) -> bool:
+        return bool(self._req.Test())
+
+
+class MPICommunicator:
+    """A group of MPI ranks (see ``backends.base.Communicator``)."""
+
+    is_device = False
+
+    def __init__(self, comm: Any, name: str) -> None:
+        self.comm = comm
+        self.rank = comm.Get_rank()
+        self.size = comm.Get_size()
+        self.name = name
+        self.stats = WireStats()
+
+    # -- reductions ---------------------------------------------------------------------------
+    def _mpi_type(self, dtype: np.dtype) -> Any:
+        MPI = _mpi()
+        try:
+            return MPI._typedict[np.dtype(dtype).char]
+        except KeyError:
+            raise TypeError(f"MPI backend cannot reduce dtype {np.dtype(dtype)}") from None
+
+    def allreduce(self, buf: np.ndarray, op: str = "sum") -> None:
+        MPI = _mpi()
+        flat = buf.reshape(-1)
+        mtype = self._mpi_type(flat.dtype)
+        mop = getattr(MPI, _OPS[op])
+        for start in range(0, max(flat.size, 1), MAX_CHUNK_ELEMS):
+            part = flat[start:start + MAX_CHUNK_ELEMS]
+            if part.size:
+                self.comm.Allreduce(MPI.IN_PLACE, [part, mtype], op=mop)
+        n = flat.nbytes
+        moved = 2 * (self.size - 1) * n // self.size if self.size > 1 else 0
+        self.stats.add("allreduce", moved, moved)
+
+    def reduce_scatterv(self, sendbuf: np.ndarray, recvbuf: np.ndarray,
+                        counts: Sequence[int], op: str = "sum") -> None:
+        MPI = _mpi()
+        mtype = self._mpi_type(sendbuf.dtype)
+        counts = [int(c) for c in counts]
+        self.comm.Reduce_scatter([sendbuf.reshape(-1), mtype], [recvbuf.reshape(-1), mtype],
+                                 counts, op=getattr(MPI, _OPS[op]))
+        item = sendbuf.dtype.itemsize
+        sent = (sum(counts) - counts[self.rank]) * item
+        recv = counts[self.rank] * (self.size - 1) * item
+        self.stats.add("reduce_scatter", sent, recv)
+
+    # -- data movement -------------------------------------------------------------------------
+    def allgatherv(self, sendbuf: np.ndarray, recvbuf: np.ndarray,
+                   counts: Sequence[int]) -> None:
+        MPI = _mpi()
+        item = sendbuf.dtype.itemsize
+        bcounts = [int(c) * item for c in counts]
+        self.comm.Allgatherv([_as_bytes(sendbuf), MPI.BYTE],
+                             [_as_bytes(recvbuf), bcounts, displacements(bcounts), MPI.BYTE])
+        mine = bcounts[self.rank]
+        self.stats.add("allgather", mine * (self.size - 1), sum(bcounts) - mine)
+
+    def alltoallv(self, sendbuf: np.ndarray, sendcounts: Sequence[int], recvbuf: np.ndarray,
+                  recvcounts: Sequence[int]) -> None:
+        MPI = _mpi()
+        item = sendbuf.dtype.itemsize
+        sc = [int(c) * item for c in sendcounts]
+        rc = [int(c) * item for c in recvcounts]
+        self.comm.Alltoallv([_as_bytes(sendbuf), sc, displacements(sc), MPI.BYTE],
+                            [_as_bytes(recvbuf), rc, displacements(rc), MPI.BYTE])
+        self.stats.add("alltoall", sum(sc) - sc[self.rank], sum(rc) - rc[self.rank])
+
+    def bcast(self, buf: np.ndarray, root: int) -> None:
+        MPI = _mpi()
+        self.comm.Bcast([_as_bytes(buf), MPI.BYTE], root=root)
+        n = buf.nbytes
+        self.stats.add("broadcast", n * (self.size - 1) if self.rank == root else 0,
+                       0 if self.rank == root else n)
+
+    def isend(self, buf: np.ndarray, dest: int, tag: int = 0) -> _Req:
+        MPI = _mpi()
+        self.stats.add("send", buf.nbytes, 0)
+        return _Req(self.comm.Isend([_as_bytes(buf), MPI.BYTE], dest=dest, tag=tag))
+
+    def irecv(self, buf: np.ndarray, source: int, tag: int = 0) -> _Req:
+        MPI = _mpi()
+        self.stats.add("recv", 0, buf.nbytes)
+        return _Req(self.comm.Irecv([_as_bytes(buf), MPI.BYTE], source=source, tag=tag))
+
+    def barrier(self) -> None:
+        self.comm.Barrier()
+
+    def split(self, color: int, key: int, name: str) -> "MPICommunicator":
+        return MPICommunicator(self.comm.Split(color, key), name)
+
+    def free(self) -> None:
+        MPI = _mpi()
+        if self.comm not in (MPI.COMM_WORLD, MPI.COMM_SELF) and not MPI.Is_finalized():
+            self.comm.Free()
+
+    def __repr__(self) -> str:
+        return f"MPICommunicator({self.name}, rank={self.rank}, size={self.size})"

@@ -1,0 +1,57 @@
+"""The ``Compressor`` protocol: how a fused bucket crosses the wire.
+
+A compressor owns the *scheme* of a compressed allreduce on one fused bucket, written against
+the ``Communicator`` protocol only, because a correct compressed collective is more than
+compress -> dense allreduce -> decompress (an FP8 sum overflows, a sum of sparse vectors is
+not sparse). The engine hands it a 1-D float32 bucket that holds several tensors packed back
+to back (``BucketContext.layout``) and expects the bucket summed over ``comm`` in place.
+Algorithms that split a bucket (hierarchical, 2D) call it on a slice; ``ctx.base`` says where
+the slice starts in the full bucket so per-tensor state (error feedback residuals, keyed by
+tensor name) lines up.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+from ..backends.base import Communicator
+
+
+@dataclass(frozen=True)
+class BucketContext:
+    """Where a buffer handed to a compressor came from.
+
+    ``names``/``offsets``/``sizes`` describe the tensors packed in the *full* bucket (element
+    offsets); ``base`` is the element offset of the buffer being reduced within that bucket
+    (0 unless an algorithm split the bucket); ``step`` counts buckets seen by the engine.
+    """
+
+    names: tuple[str, ...]
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    base: int = 0
+    step: int = 0
+
+    def sub(self, start: int) -> "BucketContext":
+        """The context of a slice starting ``start`` elements into this buffer."""
+        return BucketContext(self.names, self.offsets, self.sizes, self.base + start, self.step)
+
+
+@runtime_checkable
+class Compressor(Protocol):
+    """One compression format and the collective scheme that keeps it correct."""
+
+    name: str          # canonical spec, e.g. "fp16", "fp8:e4m3:block:256", "topk:0.01:ef"
+    lossy: bool
+
+    def allreduce(self, comm: Communicator, buf: Any, ctx: BucketContext) -> None:
+        """Sum the 1-D float32 ``buf`` over ``comm`` in place, sending compressed data."""
+
+    def wire_bytes(self, numel: int, nranks: int) -> int:
+        """Bytes one rank sends to reduce ``numel`` float32 elements over ``nranks`` ranks."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """Persistent state (error-feedback residuals, PowerSGD factors), keyed by tensor."""
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned."""

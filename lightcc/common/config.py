@@ -1,0 +1,211 @@
+"""Every ``LCC_*`` environment variable, parsed and validated in one place.
+
+A :class:`Knob` describes one setting: its environment variable, type, default, unit and help
+text. :func:`load` reads the environment once, applies keyword overrides given to ``init()``
+and returns a frozen :class:`Config`. The launcher (``lccrun``) and the README table are built
+from the same :data:`KNOBS` list, so names and units cannot drift apart.
+
+Units: sizes are bytes in environment variables (``LCC_FUSION_THRESHOLD=67108864``) and MB on
+the ``lccrun`` command line; times are milliseconds for the cycle time and seconds for stall
+checks, as the names say.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+from .exceptions import ConfigError
+
+LOG_LEVELS = ("trace", "debug", "info", "warning", "error", "fatal")
+BACKENDS = ("auto", "mpi", "nccl")
+AUTOTUNE_MODES = ("0", "1", "refresh")
+
+
+def _parse_bool(text: str) -> bool:
+    low = text.strip().lower()
+    if low in ("1", "true", "yes", "on"):
+        return True
+    if low in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError(f"expected 0/1/true/false, got {text!r}")
+
+
+def _parse_int(text: str) -> int:
+    return int(text.strip(), 0)
+
+
+def _parse_float(text: str) -> float:
+    value = float(text.strip())
+    if value != value:  # NaN
+        raise ValueError("NaN is not a valid value")
+    return value
+
+
+def _parse_str(text: str) -> str:
+    return text.strip()
+
+
+@dataclass(frozen=True)
+class Knob:
+    """One configuration setting: where it comes from, what it means, how to check it."""
+
+    field: str
+    env: str
+    parse: Callable[[str], Any]
+    default: Any
+    unit: str
+    help: str
+    check: Callable[[Any], str | None] = lambda v: None
+
+
+def _min(limit: float) -> Callable[[Any], str | None]:
+    return lambda v: None if v >= limit else f"must be >= {limit}"
+
+
+def _choice(options: tuple[str, ...]) -> Callable[[Any], str | None]:
+    return lambda v: None if v in options else f"must be one of {', '.join(options)}"
+
+
+def _compression_ok(name: str) -> str | None:
+    from .compression import available_compressors
+
+    try:
+        available_compressors().index(name.split(":")[0])
+    except ValueError:
+        return f"unknown compressor (known: {', '.join(available_compressors())})"
+    return None
+
+
+def _algorithm_ok(name: str) -> str | None:
+    from .algorithms import available_algorithms
+
+    if name not in available_algorithms():
+        return f"unknown algorithm (known: {', '.join(available_algorithms())})"
+    return None
+
+
+KNOBS: tuple[Knob, ...] = (
+    Knob("fusion_threshold", "LCC_FUSION_THRESHOLD", _parse_int, 64 * 1024 * 1024, "bytes",
+         "Largest fusion bucket; small tensors are packed together up to this size. "
+         "0 disables fusion.", _min(0)),
+    Knob("cycle_time", "LCC_CYCLE_TIME", _parse_float, 1.0, "ms",
+         "How long the coordinator holds a ready, not-yet-full bucket while other tensors "
+         "are still arriving, so they can be fused. A lone request is never delayed.", _min(0.0)),
+    Knob("cache_capacity", "LCC_CACHE_CAPACITY", _parse_int, 1024, "entries",
+         "Response cache size; cached requests are negotiated by a small id instead of their "
+         "full description. 0 disables the cache.", _min(0)),
+    Knob("stall_check_time", "LCC_STALL_CHECK_TIME", _parse_float, 60.0, "s",
+         "Warn (on rank 0) when a tensor submitted by some ranks waits this long for the "
+         "others; names the tensor and the missing ranks. 0 disables the check.", _min(0.0)),
+    Knob("stall_shutdown_time", "LCC_STALL_SHUTDOWN_TIME", _parse_float, 0.0, "s",
+         "Fail stalled collectives with StallError on every rank after this long. 0 = never.",
+         _min(0.0)),
+    Knob("log_level", "LCC_LOG_LEVEL", lambda t: t.strip().lower(), "warning", "",
+         "Logging level of the 'lightcc' logger.", _choice(LOG_LEVELS)),
+    Knob("local_size", "LCC_LOCAL_SIZE", _parse_int, 0, "ranks",
+         "Ranks per node. 0 = detect from host names; N > 0 splits consecutive ranks into "
+         "simulated nodes of N (for tests and benchmarks on one machine).", _min(0)),
+    Knob("compression", "LCC_COMPRESSION", _parse_str, "none", "",
+         "Default compressor for DistributedOptimizer when none is given "
+         "(none, fp16, bf16, fp8, fp8_e5m2, topk, powersgd).", _compression_ok),
+    Knob("min_compress_bytes", "LCC_MIN_COMPRESS_BYTES", _parse_int, 4096, "bytes",
+         "Buckets smaller than this are sent uncompressed.", _min(0)),
+    Knob("algorithm", "LCC_ALGORITHM", lambda t: t.strip().lower(), "auto", "",
+         "Allreduce algorithm: auto, flat, ring, hierarchical, 2d, tree.", _algorithm_ok),
+    Knob("num_links", "LCC_NUM_LINKS", _parse_int, 2, "",
+         "Parallel TCP links per peer pair (Open MPI btl_tcp_links), set by lccrun.", _min(1)),
+    Knob("backend", "LCC_BACKEND", lambda t: t.strip().lower(), "auto", "",
+         "Communicator backend for device arrays: auto, mpi, nccl.", _choice(BACKENDS)),
+    Knob("cpu_reduce", "LCC_CPU_REDUCE", _parse_bool, False, "",
+         "Reduce GPU buckets on the host inside a node (for PCIe-only machines).", ),
+    Knob("timeline", "LCC_TIMELINE", _parse_str, "", "path",
+         "Write a Chrome/Perfetto trace of every collective to this file.", ),
+    Knob("autotune", "LCC_AUTOTUNE", lambda t: t.strip().lower(), "0", "",
+         "1 = tune fusion threshold, cycle time and algorithm online; refresh = ignore the "
+         "cache and tune again.", _choice(AUTOTUNE_MODES)),
+    Knob("autotune_log", "LCC_AUTOTUNE_LOG", _parse_str, "", "path",
+         "CSV file with every autotuner sample.", ),
+    Knob("autotune_cache", "LCC_AUTOTUNE_CACHE", _parse_str, "", "path",
+         "Autotuner result cache (default: ~/.cache/lightcc/autotune.json).", ),
+    Knob("shutdown_timeout", "LCC_SHUTDOWN_TIMEOUT", _parse_float, 30.0, "s",
+         "How long shutdown() waits for the background thread before giving up.", _min(0.0)),
+)
+
+_BY_FIELD = {k.field: k for k in KNOBS}
+
+
+@dataclass(frozen=True)
+class Config:
+    """Validated settings of one ``init()``; see :data:`KNOBS` for meanings and units."""
+
+    fusion_threshold: int
+    cycle_time: float
+    cache_capacity: int
+    stall_check_time: float
+    stall_shutdown_time: float
+    log_level: str
+    local_size: int
+    compression: str
+    min_compress_bytes: int
+    algorithm: str
+    num_links: int
+    backend: str
+    cpu_reduce: bool
+    timeline: str
+    autotune: str
+    autotune_log: str
+    autotune_cache: str
+    shutdown_timeout: float
+
+    def replace(self, **changes: Any) -> "Config":
+        """A copy with some fields changed (used by the autotuner)."""
+        return dataclasses.replace(self, **changes)
+
+
+def load(overrides: Mapping[str, Any] | None = None,
+         environ: Mapping[str, str] | None = None) -> Config:
+    """Read ``LCC_*`` variables, apply ``overrides`` (field names) and validate everything.
+
+    Raises :class:`ConfigError` naming the variable, the bad value and what is expected.
+    """
+    env = os.environ if environ is None else environ
+    overrides = dict(overrides or {})
+    unknown = sorted(set(overrides) - set(_BY_FIELD))
+    if unknown:
+        raise ConfigError(f"init() got unknown setting(s) {', '.join(unknown)}; "
+                          f"known: {', '.join(sorted(_BY_FIELD))}")
+    values: dict[str, Any] = {}
+    for knob in KNOBS:
+        if knob.field in overrides:
+            value = overrides[knob.field]
+            source = f"init({knob.field}=...)"
+            if isinstance(value, str) and knob.parse is not _parse_str:
+                value = _parse_or_raise(knob, value, source)
+        elif knob.env in env:
+            source = knob.env
+            value = _parse_or_raise(knob, env[knob.env], source)
+        else:
+            values[knob.field] = knob.default
+            continue
+        problem = knob.check(value)
+        if problem:
+            raise ConfigError(f"{source}={value!r}: {problem}")
+        values[knob.field] = value
+    return Config(**values)
+
+
+def _parse_or_raise(knob: Knob, text: str, source: str) -> Any:
+    try:
+        return knob.parse(text)
+    except (ValueError, TypeError) as exc:
+        raise ConfigError(f"{source}={text!r} is not valid: {exc}") from None
+
+
+def markdown_table() -> str:
+    """The README's configuration table, generated from :data:`KNOBS`."""
+    rows = ["| variable | default | unit | meaning |", "|---|---|---|---|"]
+    for k in KNOBS:
+        rows.append(f"| `{k.env}` | `{k.default!r}` | {k.unit} | {k.help} |")
+    return "\n".join(rows)

@@ -1,0 +1,205 @@
+"""Executing agreed responses: pack -> compress/algorithm -> unpack -> scale, per collective.
+
+Runs on the engine thread only. Each function takes the responses of one bucket and this
+rank's local entries for them (``None`` where this rank did not submit the tensor, i.e. it
+has called ``join()``), performs the collective over the process set's communicators and
+returns the per-entry results; the engine completes the handles.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+
+from . import algorithms, compression, dtypes
+from .backends.base import even_counts
+from .compression.base import BucketContext
+from .fusion import FusionBuffer
+from .messages import Coll, Response
+from .topology import Topology
+
+
+@dataclass
+class LocalEntry:
+    """A tensor this rank submitted: its input, optional output (in-place ops) and handle."""
+
+    response_key: tuple
+    array: Any
+    out: Any
+    handle: Any
+    submitted_at: float = 0.0
+
+
+@dataclass
+class ExecContext:
+    """What the executor needs from the engine."""
+
+    topo: Topology
+    fusion: FusionBuffer
+    algorithm: str
+    min_compress_bytes: int
+    compressors: dict[str, Any] = field(default_factory=dict)
+    step: int = 0
+    on_phase: Callable[[str, str, int], None] | None = None   # timeline hook (phase, name, bytes)
+
+    def compressor(self, spec: str) -> Any:
+        """One compressor instance per spec, so its state persists across steps."""
+        if spec in ("", "none"):
+            return None
+        if spec not in self.compressors:
+            self.compressors[spec] = compression.make(spec)
+        return self.compressors[spec]
+
+
+def _prod(shape: tuple[int, ...]) -> int:
+    return int(math.prod(shape))
+
+
+def _scale_integer_average(buf: np.ndarray, n: int) -> None:
+    """Integer average that truncates toward zero, exactly (no float round trip)."""
+    quotient = np.abs(buf) // n
+    np.copyto(buf, np.where(buf < 0, -quotient, quotient).astype(buf.dtype, copy=False))
+
+
+def _finish_scaling(buf: Any, op: str, dtype: str, n: int, postscale: float) -> None:
+    if dtype in dtypes.FLOATING:
+        factor = postscale / n if op == "average" else postscale
+        if factor != 1.0:
+            buf *= factor
+    elif op == "average" and dtype in dtypes.INTEGER:
+        _scale_integer_average(buf, n)
+
+
+def allreduce_bucket(ctx: ExecContext, resps: list[Response],
+                     entries: list[LocalEntry | None]) -> list[Any]:
+    """Fuse, reduce and unpack one bucket of allreduces; returns each entry's result."""
+    req = resps[0].request
+    n = ctx.topo.size
+    rdt = dtypes.reduce_dtype(req.dtype)
+    sizes = [_prod(r.request.shape) for r in resps]
+    total = sum(sizes)
+    floating = req.dtype in dtypes.FLOATING
+    comp = None
+    if floating and req.op in ("sum", "average") and total * 4 >= ctx.min_compress_bytes:
+        comp = ctx.compressor(req.compression)
+    direct = (len(resps) == 1 and rdt == dtypes.SUPPORTED[req.dtype] and entries[0] is not None)
+    if direct:
+        entry = entries[0]
+        if entry.out is not None and entry.out.flags.c_contiguous and entry.out.dtype == rdt:
+            if entry.out is not entry.array:
+                np.copyto(entry.out, entry.array)
+            result = entry.out
+        else:
+            result = np.array(entry.array, dtype=rdt, order="C", copy=True)
+        buf = result.reshape(-1)
+    else:
+        buf = ctx.fusion.get(rdt, total)
+        offset = 0
+        for size, entry in zip(sizes, entries):
+            part = buf[offset:offset + size]
+            if entry is None:
+                part.fill(0)
+            else:
+                part[...] = np.asarray(entry.array).reshape(-1)
+            offset += size
+    if floating and req.prescale != 1.0:
+        buf *= req.prescale
+    offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+    bctx = BucketContext(tuple(r.request.name for r in resps), tuple(offsets), tuple(sizes),
+                         0, ctx.step)
+    algorithms.allreduce(buf, dtypes.backend_op(req.op, req.dtype), ctx.topo, comp, bctx,
+                         ctx.algorithm)
+    _finish_scaling(buf, req.op, req.dtype, n, req.postscale)
+    if direct:
+        return [result]
+    results = []
+    target = dtypes.SUPPORTED[req.dtype]
+    for resp, entry, off, size in zip(resps, entries, offsets, sizes):
+        part = buf[off:off + size].reshape(resp.request.shape)
+        if entry is None:
+            results.append(None)
+        elif entry.out is not None:
+            entry.out[...] = part.astype(target, copy=False)
+            results.append(entry.out)
+        else:
+            results.append(part.astype(target, copy=True))
+    return results
+
+
+def allgather(ctx: ExecContext, resp: Response, entry: LocalEntry | None) -> Any:
+    req = resp.request
+    row = _prod(req.shape[1:])
+    firsts = list(resp.per_rank)
+    dt = dtypes.SUPPORTED[req.dtype]
+    out = np.empty((sum(firsts), *req.shape[1:]), dtype=dt)
+    send = (np.ascontiguousarray(entry.array).reshape(-1) if entry is not None
+            else np.empty(0, dtype=dt))
+    ctx.topo.world.allgatherv(send, out.reshape(-1), [f * row for f in firsts])
+    return out
+
+
+def broadcast(ctx: ExecContext, resp: Response, entry: LocalEntry) -> Any:
+    req = resp.request
+    if entry.out is not None and entry.out.flags.c_contiguous:
+        buf = entry.out
+        if buf is not entry.array:
+            np.copyto(buf, entry.array)
+    else:
+        buf = np.array(entry.array, order="C", copy=True)
+    ctx.topo.world.bcast(buf.reshape(-1), req.root)
+    if entry.out is not None and entry.out is not buf:
+        entry.out[...] = buf
+        return entry.out
+    return buf
+
+
+def alltoall(ctx: ExecContext, resp: Response, entry: LocalEntry) -> tuple[Any, Any]:
+    req = resp.request
+    me = ctx.topo.rank
+    row = _prod(req.shape[1:])
+    matrix = [list(s) for s in resp.per_rank]
+    send_rows = matrix[me]
+    recv_rows = [matrix[src][me] for src in range(len(matrix))]
+    dt = dtypes.SUPPORTED[req.dtype]
+    out = np.empty((sum(recv_rows), *req.shape[1:]), dtype=dt)
+    send = np.ascontiguousarray(entry.array).reshape(-1)
+    ctx.topo.world.alltoallv(send, [r * row for r in send_rows], out.reshape(-1),
+                             [r * row for r in recv_rows])
+    return out, np.asarray(recv_rows, dtype=np.int32)
+
+
+def reducescatter(ctx: ExecContext, resp: Response, entry: LocalEntry) -> Any:
+    req = resp.request
+    n = ctx.topo.size
+    me = ctx.topo.rank
+    rdt = dtypes.reduce_dtype(req.dtype)
+    row = _prod(req.shape[1:])
+    rows = even_counts(req.shape[0], n)
+    send = np.ascontiguousarray(np.asarray(entry.array), dtype=rdt).reshape(-1)
+    if req.dtype in dtypes.FLOATING and req.prescale != 1.0:
+        send = send * req.prescale
+    recv = np.empty(rows[me] * row, dtype=rdt)
+    ctx.topo.world.reduce_scatterv(send, recv, [r * row for r in rows],
+                                   dtypes.backend_op(req.op, req.dtype))
+    _finish_scaling(recv, req.op, req.dtype, n, req.postscale)
+    return recv.reshape((rows[me], *req.shape[1:])).astype(dtypes.SUPPORTED[req.dtype], copy=False)
+
+
+def execute_single(ctx: ExecContext, resp: Response, entry: LocalEntry | None) -> Any:
+    """Run a non-allreduce response; returns the entry's result."""
+    coll = resp.request.coll
+    if coll == Coll.ALLGATHER:
+        return allgather(ctx, resp, entry)
+    if coll == Coll.BROADCAST:
+        return broadcast(ctx, resp, entry)
+    if coll == Coll.ALLTOALL:
+        return alltoall(ctx, resp, entry)
+    if coll == Coll.REDUCESCATTER:
+        return reducescatter(ctx, resp, entry)
+    if coll in (Coll.BARRIER, Coll.REMOVE_PSET):
+        return None
+    if coll in (Coll.JOIN, Coll.ADD_PSET):
+        return resp.value
+    raise AssertionError(f"unexpected collective {coll!r}")

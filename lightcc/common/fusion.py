@@ -1,0 +1,73 @@
+"""Bucket planning, and packing tensors into a reusable fusion buffer.
+
+:func:`plan` is pure: every rank runs it on the same batch and gets the same buckets.
+Allreduces with the same dtype, op, scale factors, compressor and process set share a
+bucket, in batch order, until the bucket would exceed the fusion threshold; a tensor larger
+than the threshold gets a bucket of its own (it is never truncated).
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Sequence
+
+import numpy as np
+
+from . import dtypes
+from .messages import Coll, Response
+
+
+def fusion_key(resp: Response) -> tuple | None:
+    """What must be equal for two responses to share a bucket (None: never fused)."""
+    req = resp.request
+    if resp.error or req.coll != Coll.ALLREDUCE:
+        return None
+    return (req.dtype, req.op, req.prescale, req.postscale, req.compression, req.pset)
+
+
+def nbytes(resp: Response) -> int:
+    req = resp.request
+    return int(math.prod(req.shape)) * dtypes.itemsize(req.dtype)
+
+
+def plan(responses: Sequence[Response], threshold: int) -> list[list[int]]:
+    """Group response indices into buckets (see module docstring); order follows the batch."""
+    buckets: list[list[int]] = []
+    open_bucket: dict[tuple, tuple[int, int]] = {}  # key -> (bucket index, bytes so far)
+    for i, resp in enumerate(responses):
+        key = fusion_key(resp)
+        size = nbytes(resp) if key is not None else 0
+        if key is not None and key in open_bucket:
+            b, used = open_bucket[key]
+            if used + size <= threshold:
+                buckets[b].append(i)
+                open_bucket[key] = (b, used + size)
+                continue
+        buckets.append([i])
+        if key is not None and size < threshold:
+            open_bucket[key] = (len(buckets) - 1, size)
+        elif key is not None:
+            open_bucket.pop(key, None)
+    return buckets
+
+
+class FusionBuffer:
+    """A growable 1-D buffer per dtype, reused across buckets to avoid allocations."""
+
+    def __init__(self) -> None:
+        self._bufs: dict[Any, np.ndarray] = {}
+
+    def get(self, dtype: np.dtype, numel: int, xp: Any = np) -> np.ndarray:
+        """A view of ``numel`` elements (contents undefined)."""
+        key = (np.dtype(dtype), xp.__name__)
+        buf = self._bufs.get(key)
+        if buf is None or buf.size < numel:
+            buf = xp.empty(max(numel, 1), dtype=dtype)
+            self._bufs[key] = buf
+        return buf[:numel]
+
+    def release(self) -> None:
+        self._bufs.clear()
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.nbytes for b in self._bufs.values())

@@ -1,0 +1,160 @@
+"""Request, Response and their wire encoding.
+
+A :class:`Request` is what one rank asks for (one tensor, one collective). The coordinator
+(rank 0) turns requests that every rank has made into a :class:`Response`: the agreed
+description of the collective, including per-rank data that differs legitimately (allgather
+first dimensions, alltoall splits). Responses travel in a :class:`Batch`; a response already
+in every rank's response cache travels as its integer id only.
+
+Messages are plain tuples pickled with the highest protocol: small (tens of bytes for a cached
+steady-state round) and fast to encode, without a schema compiler.
+"""
+from __future__ import annotations
+
+import pickle
+from dataclasses import dataclass, field
+from enum import IntEnum
+from typing import Any
+
+
+class Coll(IntEnum):
+    """Collective types. Tensor names are scoped per type."""
+
+    ALLREDUCE = 0
+    ALLGATHER = 1
+    BROADCAST = 2
+    ALLTOALL = 3
+    REDUCESCATTER = 4
+    BARRIER = 5
+    JOIN = 6
+    ADD_PSET = 7
+    REMOVE_PSET = 8
+
+
+COLL_NAMES = {c: c.name.lower() for c in Coll}
+
+
+@dataclass(frozen=True)
+class Request:
+    """One rank's request; ``key`` (type, process set, name) identifies it across ranks."""
+
+    coll: Coll
+    name: str
+    dtype: str = ""
+    shape: tuple[int, ...] = ()
+    op: str = ""
+    root: int = -1
+    prescale: float = 1.0
+    postscale: float = 1.0
+    splits: tuple[int, ...] = ()
+    compression: str = "none"
+    pset: int = 0
+
+    @property
+    def key(self) -> tuple[int, int, str]:
+        return (int(self.coll), self.pset, self.name)
+
+    def to_tuple(self) -> tuple:
+        return (int(self.coll), self.name, self.dtype, self.shape, self.op, self.root,
+                self.prescale, self.postscale, self.splits, self.compression, self.pset)
+
+    @classmethod
+    def from_tuple(cls, t: tuple) -> "Request":
+        return cls(Coll(t[0]), *t[1:])
+
+    def describe(self) -> str:
+        return f"{COLL_NAMES[self.coll]} '{self.name}'"
+
+
+@dataclass(frozen=True)
+class Response:
+    """The agreed collective for one key, or an error for it.
+
+    ``request`` is the canonical request (rank-specific fields taken from the first rank);
+    ``per_rank`` holds per-rank data in rank order of the process set: first dimensions for
+    allgather, split lists for alltoall, empty otherwise. ``error`` is set for failures.
+    """
+
+    request: Request
+    per_rank: tuple = ()
+    error: str = ""
+    error_kind: str = ""          # "mismatch", "stall", "shutdown", "join", ...
+    value: int = -1               # JOIN: last rank to join; ADD_PSET: new process set id
+
+    def to_tuple(self) -> tuple:
+        return (self.request.to_tuple(), self.per_rank, self.error, self.error_kind, self.value)
+
+    @classmethod
+    def from_tuple(cls, t: tuple) -> "Response":
+        return cls(Request.from_tuple(t[0]), t[1], t[2], t[3], t[4])
+
+    def request_of(self, index_in_set: int) -> Request:
+        """The request a given member rank must have made for this response to match it."""
+        req = self.request
+        if req.coll == Coll.ALLGATHER and self.per_rank:
+            first = self.per_rank[index_in_set]
+            return _replace(req, shape=(first, *req.shape[1:]))
+        if req.coll == Coll.ALLTOALL and self.per_rank:
+            splits = self.per_rank[index_in_set]
+            first = int(sum(splits))
+            return _replace(req, shape=(first, *req.shape[1:]), splits=tuple(splits))
+        return req
+
+
+def _replace(req: Request, **changes: Any) -> Request:
+    data = {f: getattr(req, f) for f in req.__dataclass_fields__}
+    data.update(changes)
+    return Request(**data)
+
+
+# ---- rank -> coordinator ------------------------------------------------------------------
+@dataclass
+class RankMessage:
+    """What a rank tells the coordinator since its last message.
+
+    ``cached`` are response-cache ids of resubmitted tensors, ``requests`` new ones,
+    ``shutdown`` that this rank is leaving.
+    """
+
+    cached: list[int] = field(default_factory=list)
+    requests: list[Request] = field(default_factory=list)
+    shutdown: bool = False
+
+    def encode(self) -> bytes:
+        return pickle.dumps((self.cached, [r.to_tuple() for r in self.requests], self.shutdown),
+                            protocol=pickle.HIGHEST_PROTOCOL)
+
+    @classmethod
+    def decode(cls, data: bytes) -> "RankMessage":
+        cached, reqs, shutdown = pickle.loads(data)
+        return cls(list(cached), [Request.from_tuple(t) for t in reqs], bool(shutdown))
+
+
+# ---- coordinator -> ranks -----------------------------------------------------------------
+@dataclass
+class Batch:
+    """An ordered list of responses every rank executes in the same order.
+
+    Each item is either an ``int`` (a cached response id) or a ``Response``; a new response
+    that fits in the cache is added to every rank's cache in the order it appears here, so
+    ids agree everywhere. ``joined`` are the ranks that had called ``join()`` when the batch
+    was made (they contribute zeros). ``shutdown`` carries a reason when the job's lightcc
+    must stop on every rank (coordinator shutdown). ``settings`` holds tuned settings (fusion
+    threshold, algorithm, ...) that take effect from this batch on, on every rank at once.
+    """
+
+    items: list[Any] = field(default_factory=list)
+    joined: tuple[int, ...] = ()
+    shutdown: str = ""
+    settings: dict[str, Any] = field(default_factory=dict)
+
+    def encode(self) -> bytes:
+        items = [i if isinstance(i, int) else i.to_tuple() for i in self.items]
+        return pickle.dumps((items, self.joined, self.shutdown, self.settings),
+                            protocol=pickle.HIGHEST_PROTOCOL)
+
+    @classmethod
+    def decode(cls, data: bytes) -> "Batch":
+        items, joined, shutdown, settings = pickle.loads(data)
+        return cls([i if isinstance(i, int) else Response.from_tuple(i) for i in items],
+                   tuple(joined), shutdown, dict(settings))

