@@ -55,7 +55,7 @@ def run_mpi(np_: int, args: list[str], env: dict[str, str] | None = None,
     ``args`` starting with a ``.py`` path are run with this Python. Returns the completed
     process (stdout and stderr merged in ``stdout``) so tests can check what ranks printed.
     """
-    if args and args[0].endswith(".py"):
+    if args and (args[0].endswith(".py") or args[0] == "-c"):
         args = [sys.executable, *args]
     cmd = mpirun_base(np_) + args
     timeout = DEFAULT_TIMEOUT if timeout is None else timeout

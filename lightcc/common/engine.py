@@ -48,20 +48,27 @@ _ERROR_TYPES = {"mismatch": MismatchError, "stall": StallError, "shutdown": Shut
 class Handle:
     """The future of one submitted collective; see ``lightcc.poll`` / ``synchronize``."""
 
-    __slots__ = ("_event", "_result", "_error", "request", "_callbacks")
+    __slots__ = ("_event", "_result", "_error", "request", "_callbacks", "_engine")
 
-    def __init__(self, request: Request | None) -> None:
+    def __init__(self, request: Request | None, engine: "Engine | None" = None) -> None:
         self._event = threading.Event()
         self._result: Any = None
         self._error: BaseException | None = None
         self.request = request
         self._callbacks: list = []
+        self._engine = engine
 
     def done(self) -> bool:
         return self._event.is_set()
 
     def wait(self, timeout: float | None = None) -> Any:
-        """Block until complete; return the result or raise the collective's error."""
+        """Block until complete; return the result or raise the collective's error.
+
+        The waiting thread drives the engine itself while nobody else does (no thread
+        hand-off on the latency-critical path); otherwise it sleeps on the handle's event.
+        """
+        if not self._event.is_set() and self._engine is not None:
+            self._engine.drive(self, timeout)
         if not self._event.wait(timeout):
             raise TimeoutError(f"{self.request.describe() if self.request else 'handle'} "
                                f"did not complete within {timeout} s")
@@ -116,6 +123,8 @@ class Engine:
                                         min_compress_bytes=config.min_compress_bytes)
         self.fusion_threshold = config.fusion_threshold
         self._lock = threading.Lock()
+        self._progress = threading.Lock()   # serializes _step(): every MPI call is under it
+        self._driver_waiting = 0            # user threads currently driving progress
         self._wake = threading.Event()
         self._queue: list[tuple[executor.LocalEntry, Request]] = []
         self._inflight: dict[tuple, executor.LocalEntry] = {}
@@ -145,7 +154,7 @@ class Engine:
 
     def submit(self, request: Request, array: Any = None, out: Any = None) -> Handle:
         """Queue ``request``; raises at once for what is wrong locally."""
-        handle = Handle(request)
+        handle = Handle(request, self)
         entry = executor.LocalEntry(request.key, array, out, handle, time.monotonic())
         with self._lock:
             self._check_alive()
@@ -173,8 +182,8 @@ class Engine:
         self._wake.set()
         self._thread.join(timeout)
         if self._thread.is_alive():
-            log.warning("rank %d: lightcc background thread did not stop within %.0f s "
-                        "(blocked in a collective with a rank that is gone?)", self.rank, timeout)
+            log.warning("lightcc background thread did not stop within %.0f s "
+                        "(blocked in a collective with a rank that is gone?)", timeout)
             return
         for info in list(self.psets.values()):
             if info.topo is not None and info.topo is not self.topo:
@@ -183,15 +192,52 @@ class Engine:
         self.ctx.fusion.release()
 
     # ---- engine thread -----------------------------------------------------------------------
+    def drive(self, handle: Handle, timeout: float | None) -> None:
+        """Make progress on the calling thread until ``handle`` completes (see Handle.wait)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        spins = 0
+        self._driver_waiting += 1
+        try:
+            while not handle._event.is_set():
+                if self._dead is not None or self._stopping:
+                    return
+                if deadline is not None and time.monotonic() > deadline:
+                    return
+                if self._progress.acquire(blocking=False):
+                    try:
+                        progressed = self._step()
+                    finally:
+                        self._progress.release()
+                    if progressed:
+                        spins = 0
+                        continue
+                    spins += 1
+                    if spins < 64:
+                        time.sleep(0)
+                    else:
+                        handle._event.wait(min(MAX_BACKOFF_S, 2e-5 * 2 ** min(spins - 64, 10)))
+                else:
+                    handle._event.wait(MAX_BACKOFF_S)
+        finally:
+            self._driver_waiting -= 1
+
     def _run(self) -> None:
         spins = 0
         try:
             while True:
-                self._wake.clear()
-                progressed = self._step()
                 if self._stopping:
-                    self._stop_thread()
+                    with self._progress:
+                        self._step()
+                        self._stop_thread()
                     return
+                if self._driver_waiting and not self._stopping:
+                    # a user thread is driving progress; stay out of its way
+                    self._wake.wait(IDLE_POLL_S)
+                    self._wake.clear()
+                    continue
+                self._wake.clear()
+                with self._progress:
+                    progressed = self._step()
                 if progressed:
                     spins = 0
                     continue
@@ -206,7 +252,7 @@ class Engine:
                     spins += 1
                     self._wake.wait(min(MAX_BACKOFF_S, 2e-5 * 2 ** min(spins - 64, 10)))
         except BaseException as exc:  # never die silently: fail everything that waits
-            log.exception("rank %d: lightcc background thread failed", self.rank)
+            log.exception("lightcc background thread failed")
             with self._lock:
                 self._dead = exc
                 entries = list(self._inflight.values())
@@ -313,7 +359,7 @@ class Engine:
             if entries[0] is not None:
                 entries[0].handle._set(error=exc_type(first.error))
             elif first.error_kind == "stall":
-                log.error("rank %d: %s", self.rank, first.error)
+                log.error("%s", first.error)
             return
         req = first.request
         if req.coll == Coll.ADD_PSET:

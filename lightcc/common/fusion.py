@@ -44,9 +44,7 @@ def plan(responses: Sequence[Response], threshold: int) -> list[list[int]]:
                 continue
         buckets.append([i])
         if key is not None and size < threshold:
-            open_bucket[key] = (len(buckets) - 1, size)
-        elif key is not None:
-            open_bucket.pop(key, None)
+            open_bucket[key] = (len(buckets) - 1, size)   # a big one leaves the open bucket be
     return buckets
 
 

@@ -1,0 +1,49 @@
+"""Real multi-process runs of the core NumPy API (each launch under a timeout)."""
+from __future__ import annotations
+
+import pytest
+
+from tests.mpi_harness import run_mpi
+
+W = "tests/parallel/workers_core/"
+
+
+@pytest.mark.parametrize("np_", [2, 3, 4])
+def test_every_collective_dtype_op_shape(np_):
+    out = run_mpi(np_, [W + "collectives.py"]).stdout
+    assert out.count("checks passed") == np_, out
+
+
+@pytest.mark.parametrize("np_", [2, 3])
+def test_mismatches_fail_on_every_rank_and_engine_recovers(np_):
+    out = run_mpi(np_, [W + "errors.py"]).stdout
+    assert out.count("errors ok") == np_, out
+
+
+def test_stall_warning_names_tensor_and_missing_ranks_then_stall_error():
+    out = run_mpi(3, [W + "stall.py"], env={"LCC_STALL_CHECK_TIME": "1",
+                                            "LCC_STALL_SHUTDOWN_TIME": "3"}).stdout
+    assert "stall: allreduce 'only.rank0'" in out and "missing ranks [1, 2]" in out, out
+    assert "StallError" in out and out.count("stall ok") == 3, out
+
+
+@pytest.mark.parametrize("np_,fusion", [(2, "4096"), (3, "0"), (4, "67108864")])
+def test_random_sequences_in_random_order(np_, fusion):
+    n = "200" if np_ < 4 else "60"
+    out = run_mpi(np_, [W + "randomized.py"], env={"LCC_TEST_FUSION": fusion,
+                                                   "LCC_TEST_SEQUENCES": n}).stdout
+    assert out.count("random collectives") == np_, out
+
+
+def test_readme_example_prints_threes():
+    out = run_mpi(3, ["-c", "import lightcc as lcc, numpy as np; lcc.init(); "
+                            "print(lcc.allreduce(np.ones(5)*lcc.rank(), op=lcc.Sum))"]).stdout
+    assert out.count("[3. 3. 3. 3. 3.]") == 3, out
+
+
+def test_invalid_env_value_is_reported_on_every_rank():
+    out = run_mpi(2, ["-c", "import lightcc as lcc\n"
+                            "try:\n    lcc.init()\n"
+                            "except lcc.ConfigError as e:\n    print('CONFIG', e)\n"],
+                  env={"LCC_FUSION_THRESHOLD": "-5"}).stdout
+    assert out.count("CONFIG LCC_FUSION_THRESHOLD=-5: must be >= 0") == 2, out

@@ -1,0 +1,269 @@
+"""Negotiation logic (Coordinator, validate, cache) without MPI."""
+from __future__ import annotations
+
+import pytest
+
+from lightcc.common.cache import ResponseCache
+from lightcc.common.controller import Coordinator, validate
+from lightcc.common.messages import Batch, Coll, RankMessage, Request, Response
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def ar(name: str, shape=(4,), dtype="float32", op="sum", **kw) -> Request:
+    return Request(Coll.ALLREDUCE, name, dtype, tuple(shape), op, **kw)
+
+
+def make(size=2, cycle=0.0, threshold=1 << 20, stall=60.0, stall_shutdown=0.0, capacity=16):
+    clock = Clock()
+    coord = Coordinator(size, capacity, cycle, threshold, stall, stall_shutdown, clock=clock)
+    return coord, clock
+
+
+def submit(coord, rank, *reqs, cached=()):
+    coord.receive(rank, RankMessage(cached=list(cached), requests=list(reqs)))
+
+
+def test_ready_only_when_every_rank_submitted():
+    coord, _ = make(size=3)
+    submit(coord, 0, ar("a"))
+    submit(coord, 1, ar("a"))
+    assert coord.tick() is None
+    submit(coord, 2, ar("a"))
+    batch = coord.tick()
+    assert [r.request.name for r in batch.items] == ["a"]
+    assert not coord.pending
+
+
+def test_order_follows_readiness_not_submission():
+    coord, clock = make()
+    submit(coord, 0, ar("a"), ar("b"))
+    submit(coord, 1, ar("b"))
+    clock.t = 1.0
+    batch = coord.tick()
+    assert [r.request.name for r in batch.items] == ["b"]
+    submit(coord, 1, ar("a"))
+    assert [r.request.name for r in coord.tick().items] == ["a"]
+
+
+@pytest.mark.parametrize("field,value,text", [
+    ("shape", (5,), "rank 1 has shape (5,), rank 0 has (4,)"),
+    ("dtype", "float64", "rank 1 has dtype float64, rank 0 has float32"),
+    ("op", "max", "rank 1 has op max, rank 0 has sum"),
+    ("prescale", 2.0, "rank 1 has prescale factor 2.0, rank 0 has 1.0"),
+    ("postscale", 0.5, "rank 1 has postscale factor 0.5, rank 0 has 1.0"),
+    ("compression", "fp16", "rank 1 has compression fp16, rank 0 has none"),
+])
+def test_mismatch_errors_name_tensor_ranks_and_difference(field, value, text):
+    coord, _ = make()
+    submit(coord, 0, ar("fc1.weight"))
+    kwargs = {"shape": (4,), "dtype": "float32", "op": "sum"}
+    if field in kwargs:
+        kwargs[field] = value
+        bad = ar("fc1.weight", **kwargs)
+    else:
+        bad = ar("fc1.weight", **{field: value})
+    submit(coord, 1, bad)
+    batch = coord.tick()
+    (resp,) = batch.items
+    assert resp.error_kind == "mismatch"
+    assert "allreduce 'fc1.weight'" in resp.error and text in resp.error
+
+
+def test_broadcast_root_mismatch():
+    coord, _ = make()
+    submit(coord, 0, Request(Coll.BROADCAST, "w", "float32", (3,), root=0))
+    submit(coord, 1, Request(Coll.BROADCAST, "w", "float32", (3,), root=1))
+    (resp,) = coord.tick().items
+    assert "root rank 1" in resp.error
+
+
+def test_allgather_first_dim_may_differ_but_rest_must_match():
+    coord, _ = make()
+    submit(coord, 0, Request(Coll.ALLGATHER, "g", "int32", (2, 3)))
+    submit(coord, 1, Request(Coll.ALLGATHER, "g", "int32", (5, 3)))
+    (resp,) = coord.tick().items
+    assert not resp.error and resp.per_rank == (2, 5)
+    submit(coord, 0, Request(Coll.ALLGATHER, "h", "int32", (2, 3)))
+    submit(coord, 1, Request(Coll.ALLGATHER, "h", "int32", (2, 4)))
+    (resp,) = coord.tick().items
+    assert "shape after the first dimension" in resp.error
+
+
+def test_collective_type_mismatch_for_same_name():
+    coord, _ = make()
+    submit(coord, 0, ar("x"))
+    submit(coord, 1, Request(Coll.ALLGATHER, "x", "float32", (4,)))
+    batch = coord.tick()
+    assert len(batch.items) == 2
+    assert all("collective type differs" in r.error for r in batch.items)
+    assert "rank 0 submitted allreduce" in batch.items[0].error
+
+
+def test_same_name_different_types_is_fine_when_both_complete():
+    coord, _ = make()
+    submit(coord, 0, ar("x"), Request(Coll.ALLGATHER, "x", "float32", (4,)))
+    submit(coord, 1, ar("x"))
+    batch = coord.tick()
+    assert [(r.request.coll, r.error) for r in batch.items] == [(Coll.ALLREDUCE, "")]
+
+
+def test_cache_ids_replace_requests_in_steady_state():
+    coord, clock = make()
+    worker = ResponseCache(16)
+    submit(coord, 0, ar("a"))
+    submit(coord, 1, ar("a"))
+    (resp,) = coord.tick().items
+    assert isinstance(resp, Response)
+    assert worker.add(resp, 1) == 0
+    cid = worker.lookup(ar("a"))
+    assert cid == 0
+    submit(coord, 0, cached=[cid])
+    submit(coord, 1, cached=[cid])
+    assert coord.tick().items == [0]
+    # a changed shape misses the cache and is validated again
+    assert worker.lookup(ar("a", shape=(8,))) == -1
+
+
+def test_cached_and_new_request_mismatch_detected():
+    coord, _ = make()
+    submit(coord, 0, ar("a"))
+    submit(coord, 1, ar("a"))
+    coord.tick()
+    submit(coord, 0, cached=[0])
+    submit(coord, 1, ar("a", shape=(9,)))
+    (resp,) = coord.tick().items
+    assert "rank 1 has shape (9,), rank 0 has (4,)" in resp.error
+
+
+def test_cache_capacity_zero_never_caches():
+    coord, _ = make(capacity=0)
+    submit(coord, 0, ar("a"))
+    submit(coord, 1, ar("a"))
+    (resp,) = coord.tick().items
+    assert ResponseCache(0).add(resp, 0) == -1
+
+
+def test_cycle_time_holds_small_buckets_while_others_arrive():
+    coord, clock = make(cycle=0.005)
+    submit(coord, 0, ar("a"), ar("b"))
+    submit(coord, 1, ar("a"))
+    assert coord.tick() is None          # 'b' is still arriving: hold 'a' for fusion
+    clock.t = 0.002
+    submit(coord, 1, ar("b"))
+    names = [r.request.name for r in coord.tick().items]
+    assert names == ["a", "b"]
+
+
+def test_cycle_time_expires():
+    coord, clock = make(cycle=0.005)
+    submit(coord, 0, ar("a"), ar("b"))
+    submit(coord, 1, ar("a"))
+    assert coord.tick() is None
+    clock.t = 0.006
+    assert [r.request.name for r in coord.tick().items] == ["a"]
+
+
+def test_lone_request_is_not_held():
+    coord, _ = make(cycle=10.0)
+    submit(coord, 0, ar("a"))
+    submit(coord, 1, ar("a"))
+    assert coord.tick() is not None
+
+
+def test_full_bucket_is_not_held():
+    coord, _ = make(cycle=10.0, threshold=32)
+    submit(coord, 0, ar("a", shape=(8,)), ar("b"))
+    submit(coord, 1, ar("a", shape=(8,)))
+    assert coord.tick() is not None
+
+
+def test_stall_warning_names_tensor_and_missing_ranks():
+    coord, clock = make(size=3, stall=2.0)
+    submit(coord, 0, ar("lonely"))
+    clock.t = 1.0
+    assert coord.tick() is None and coord.warnings == []
+    clock.t = 2.5
+    coord.tick()
+    (warning,) = coord.warnings
+    assert "allreduce 'lonely'" in warning and "missing ranks [1, 2]" in warning
+    clock.t = 3.0
+    coord.tick()
+    assert coord.warnings == []           # not repeated before another stall period
+
+
+def test_stall_shutdown_fails_the_tensor():
+    coord, clock = make(stall=1.0, stall_shutdown=5.0)
+    submit(coord, 1, ar("lonely"))
+    clock.t = 6.0
+    (resp,) = coord.tick().items
+    assert resp.error_kind == "stall" and "never by rank 0" in resp.error
+    assert not coord.pending
+
+
+def test_rank_shutdown_fails_tensors_waiting_for_it():
+    coord, _ = make()
+    submit(coord, 0, ar("a"))
+    coord.receive(1, RankMessage(shutdown=True))
+    (resp,) = coord.tick().items
+    assert resp.error_kind == "shutdown" and "rank 1 shut down" in resp.error
+
+
+def test_join_makes_joined_ranks_contribute_and_reports_last():
+    coord, _ = make(size=3)
+    submit(coord, 1, Request(Coll.JOIN, "join"))
+    submit(coord, 0, ar("a"))
+    submit(coord, 2, ar("a"))
+    batch = coord.tick()
+    assert batch.joined == (1,)
+    assert [r.request.name for r in batch.items] == ["a"]
+    submit(coord, 2, Request(Coll.JOIN, "join"))
+    submit(coord, 0, Request(Coll.JOIN, "join"))
+    batch = coord.tick()
+    (resp,) = batch.items
+    assert resp.request.coll == Coll.JOIN and resp.value == 0
+
+
+def test_join_with_broadcast_is_an_error():
+    coord, _ = make()
+    submit(coord, 1, Request(Coll.JOIN, "join"))
+    submit(coord, 0, Request(Coll.BROADCAST, "w", "float32", (2,), root=0))
+    (resp,) = coord.tick().items
+    assert resp.error_kind == "join"
+
+
+def test_process_sets_only_wait_for_members():
+    coord, _ = make(size=3)
+    for r in range(3):
+        submit(coord, r, Request(Coll.ADD_PSET, "add_process_set[0, 2]", splits=(0, 2)))
+    (resp,) = coord.tick().items
+    assert resp.value == 1 and coord.psets[1] == (0, 2)
+    submit(coord, 0, ar("p", pset=1))
+    submit(coord, 2, ar("p", pset=1))
+    (resp,) = coord.tick().items
+    assert resp.request.pset == 1 and not resp.error
+
+
+def test_validate_alltoall_collects_splits():
+    reqs = {0: Request(Coll.ALLTOALL, "t", "int64", (3,), splits=(1, 2)),
+            1: Request(Coll.ALLTOALL, "t", "int64", (4,), splits=(4, 0))}
+    resp = validate((0, 1), reqs)
+    assert resp.per_rank == ((1, 2), (4, 0))
+    assert resp.request_of(1).splits == (4, 0)
+
+
+def test_batch_and_message_round_trip():
+    batch = Batch(items=[3, Response(ar("z"), per_rank=(1, 2))], joined=(1,), shutdown="",
+                  settings={"fusion_threshold": 5})
+    again = Batch.decode(batch.encode())
+    assert again.items[0] == 3 and again.items[1] == batch.items[1]
+    assert again.joined == (1,) and again.settings == {"fusion_threshold": 5}
+    msg = RankMessage(cached=[1, 2], requests=[ar("q")], shutdown=True)
+    back = RankMessage.decode(msg.encode())
+    assert back.cached == [1, 2] and back.requests == [ar("q")] and back.shutdown
