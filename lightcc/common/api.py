@@ -102,6 +102,7 @@ def init(comm: Any = None, process_sets: Sequence[ProcessSet] | None = None,
         hostnames = comm.allgather(MPI.Get_processor_name())
         _engine = Engine(cfg, comm, hostnames)
         _install_rank_prefix(_engine.rank)
+        _start_extras(_engine, cfg)
         global_process_set.ranks = list(range(_engine.size))
         if not _atexit_registered:
             atexit.register(shutdown)
@@ -116,7 +117,48 @@ def shutdown() -> None:
     with _lock:
         eng, _engine = _engine, None
     if eng is not None:
+        _stop_extras(eng)
         eng.shutdown(eng.config.shutdown_timeout)
+
+
+def _start_extras(eng: Engine, cfg: config_mod.Config) -> None:
+    """Timeline (``LCC_TIMELINE``) and autotuner (``LCC_AUTOTUNE``), right after the engine."""
+    if cfg.timeline:
+        from . import timeline
+
+        timeline.start(eng, cfg.timeline, mark_cycles=True,
+                       all_ranks=bool(getattr(cfg, "timeline_all_ranks", False)))
+    if cfg.autotune != "0":
+        from . import autotune
+
+        autotune.start(eng, cfg)
+
+
+def _stop_extras(eng: Engine) -> None:
+    from . import autotune, timeline
+
+    autotune.stop(eng)
+    timeline.stop(eng)
+
+
+def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
+    """Start writing a Chrome/Perfetto trace to ``file_path`` (Horovod's name and arguments).
+
+    Rank 0 writes ``file_path``; other ranks write ``file_path.rank<N>`` only when
+    ``LCC_TIMELINE_ALL_RANKS=1``. ``mark_cycles`` adds a marker per engine cycle.
+    """
+    from . import timeline
+
+    eng = _get()
+    timeline.start(eng, str(file_path), mark_cycles=mark_cycles,
+                   all_ranks=bool(getattr(eng.config, "timeline_all_ranks", False)))
+
+
+def stop_timeline() -> None:
+    """Stop the timeline started by :func:`start_timeline` (or ``LCC_TIMELINE``), close it."""
+    from . import timeline
+
+    timeline.stop(_get())
 
 
 def is_initialized() -> bool:
@@ -287,7 +329,7 @@ def _compression_spec(compression: Any) -> str:
 def allreduce_async(array: Any, op: str | None = None, name: str | None = None,
                     prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                     process_set: Any = None, compression: Any = None,
-                    out: np.ndarray | None = None) -> Handle:
+                    out: np.ndarray | None = None, *, _wake: bool = True) -> Handle:
     """Start reducing ``array`` over the process set (default op: Average).
 
     With ``out`` (same shape and dtype), the result is written there (``out`` may be
@@ -307,7 +349,7 @@ def allreduce_async(array: Any, op: str | None = None, name: str | None = None,
                                    f"{arr.shape} {arr.dtype}")
     req = Request(Coll.ALLREDUCE, nm, dt, tuple(arr.shape), op_, -1, pre, post, (),
                   _compression_spec(compression), pset)
-    return eng.submit(req, arr, out)
+    return eng.submit(req, arr, out, wake=_wake)
 
 
 def allreduce(array: Any, op: str | None = None, name: str | None = None,
@@ -315,7 +357,7 @@ def allreduce(array: Any, op: str | None = None, name: str | None = None,
               process_set: Any = None, compression: Any = None) -> np.ndarray:
     """Reduce ``array`` over the process set and return the result (default op: Average)."""
     return synchronize(allreduce_async(array, op, name, prescale_factor, postscale_factor,
-                                       process_set, compression))
+                                       process_set, compression, _wake=False))
 
 
 class GroupHandle:

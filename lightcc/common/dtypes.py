@@ -28,13 +28,21 @@ INTEGER = {"uint8", "int8", "uint16", "int16", "int32", "int64"}
 OPS = ("sum", "average", "min", "max", "prod")
 
 
+_NAME_CACHE: dict[np.dtype, str] = {}
+
+
 def name_of(dtype: np.dtype) -> str:
     """The canonical name of a supported dtype; UnsupportedDTypeError otherwise."""
+    cached = _NAME_CACHE.get(dtype)
+    if cached is not None:
+        return cached
     dt = np.dtype(dtype)
     name = "bfloat16" if BFLOAT16 is not None and dt == BFLOAT16 else dt.name
     if name not in SUPPORTED:
         raise UnsupportedDTypeError(
             f"dtype {dt} is not supported; supported: {', '.join(sorted(SUPPORTED))}")
+    if isinstance(dtype, np.dtype):
+        _NAME_CACHE[dtype] = name
     return name
 
 

@@ -106,6 +106,10 @@ class Engine:
 
     def __init__(self, config: Config, mpi_comm: Any, hostnames: list[str]) -> None:
         self.config = config
+        from mpi4py import MPI
+
+        self._MPI = MPI
+        self._status = MPI.Status()
         self._ctrl = mpi_comm.Dup()
         world = MPICommunicator(mpi_comm.Dup(), "world")
         self.hostnames = hostnames
@@ -134,7 +138,7 @@ class Engine:
         self._dead: BaseException | None = None
         self._coordinator_gone = ""
         self._counters: dict[tuple[int, int], itertools.count] = {}
-        self.listeners: list = []      # callables(event: str, **info) for timeline/autotune
+        self.listeners: list = []      # callables(event: str, **info), e.g. the autotuner
         self._thread = threading.Thread(target=self._run, name="lightcc-engine", daemon=True)
         self._thread.start()
 
@@ -145,6 +149,14 @@ class Engine:
             counter = self._counters.setdefault((int(coll), pset), itertools.count())
             return f"{coll.name.lower()}.noname.{next(counter)}"
 
+    def set_tracer(self, tracer: Any) -> None:
+        """Route trace events of the executor and every communicator to ``tracer``."""
+        self.ctx.tracer = tracer
+        for info in self.psets.values():
+            if info.topo is not None:
+                for comm in (info.topo.world, info.topo.local, info.topo.cross):
+                    comm.tracer = tracer
+
     def pset(self, pset_id: int) -> ProcessSetInfo:
         info = self.psets.get(pset_id)
         if info is None:
@@ -152,10 +164,14 @@ class Engine:
                                        f"never added on this rank)")
         return info
 
-    def submit(self, request: Request, array: Any = None, out: Any = None) -> Handle:
-        """Queue ``request``; raises at once for what is wrong locally."""
+    def submit(self, request: Request, array: Any = None, out: Any = None,
+               wake: bool = True) -> Handle:
+        """Queue ``request``; raises at once for what is wrong locally.
+
+        ``wake=False`` is for blocking calls whose thread drives progress right away.
+        """
         handle = Handle(request, self)
-        entry = executor.LocalEntry(request.key, array, out, handle, time.monotonic())
+        entry = executor.LocalEntry(request.key, array, out, handle, time.perf_counter())
         with self._lock:
             self._check_alive()
             if request.key in self._inflight:
@@ -163,7 +179,8 @@ class Engine:
                                          f"{self.rank}; wait for it or use another name")
             self._inflight[request.key] = entry
             self._queue.append((entry, request))
-        self._wake.set()
+        if wake:
+            self._wake.set()
         return handle
 
     def _check_alive(self) -> None:
@@ -265,7 +282,9 @@ class Engine:
         with self._lock:
             new, self._queue = self._queue, []
         msg = RankMessage()
+        now = time.perf_counter() if new else 0.0
         for entry, req in new:
+            entry.sent_at = now
             info = self.psets.get(req.pset)
             cid = self.cache.lookup(req) if info is not None else -1
             if cid >= 0:
@@ -299,21 +318,17 @@ class Engine:
             self._sends = [(r, d) for r, d in self._sends if not r.Test()]
 
     def _recv_bytes(self, source: int, tag: int) -> tuple[int, bytes] | None:
-        from mpi4py import MPI
-
-        status = MPI.Status()
-        if not self._ctrl.Iprobe(source=source, tag=tag, status=status):
+        status = self._status
+        if not self._ctrl.Iprobe(source, tag, status):
             return None
-        buf = bytearray(status.Get_count(MPI.BYTE))
+        buf = bytearray(status.Get_count(self._MPI.BYTE))
         src = status.Get_source()
-        self._ctrl.Recv([buf, MPI.BYTE], source=src, tag=tag)
+        self._ctrl.Recv([buf, self._MPI.BYTE], src, tag)
         return src, bytes(buf)
 
     def _receive_requests(self) -> bool:
-        from mpi4py import MPI
-
         got = False
-        while (item := self._recv_bytes(MPI.ANY_SOURCE, TAG_REQUEST)) is not None:
+        while (item := self._recv_bytes(self._MPI.ANY_SOURCE, TAG_REQUEST)) is not None:
             src, data = item
             self.coordinator.receive(src, RankMessage.decode(data))
             got = True
@@ -341,6 +356,9 @@ class Engine:
                     info = self.psets.get(item.request.pset)
                     self.cache.add(item, info.index(self.rank) if info else None)
                 responses.append(item)
+        if self.ctx.tracer.enabled:
+            self.ctx.tracer.instant("engine", "CYCLE", time.perf_counter(), step=self.ctx.step,
+                                    responses=len(responses))
         for bucket in fusion.plan(responses, self.fusion_threshold):
             self._execute_bucket([responses[i] for i in bucket])
         self.ctx.step += 1
@@ -377,12 +395,21 @@ class Engine:
             return
         prev_topo = self.ctx.topo
         self.ctx.topo = info.topo
+        tracer = self.ctx.tracer
+        start = time.perf_counter()
+        if tracer.enabled:
+            for e, r in zip(entries, resps):
+                if e is not None:
+                    tracer.span(r.request.name, "QUEUE", e.submitted_at, e.sent_at)
+                    tracer.span(r.request.name, "NEGOTIATE", e.sent_at, start)
         self._notify("bucket_start", responses=resps)
         try:
             if req.coll == Coll.ALLREDUCE:
                 results = executor.allreduce_bucket(self.ctx, resps, entries)
             else:
                 results = [executor.execute_single(self.ctx, first, entries[0])]
+                if tracer.enabled:
+                    tracer.span(req.name, req.coll.name, start, time.perf_counter())
         except Exception as exc:
             err = CollectiveError(f"{req.describe()} failed on rank {self.rank}: {exc}")
             err.__cause__ = exc
@@ -392,7 +419,7 @@ class Engine:
             return
         finally:
             self.ctx.topo = prev_topo
-        self._notify("bucket_done", responses=resps)
+        self._notify("bucket_done", responses=resps, seconds=time.perf_counter() - start)
         if req.coll == Coll.JOIN:
             self._joined = False
         for e, res in zip(entries, results):

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable
+import time
+from typing import Any
 
 import numpy as np
 
@@ -19,6 +20,7 @@ from .compression.base import BucketContext
 from .fusion import FusionBuffer
 from .messages import Coll, Response
 from .topology import Topology
+from .tracing import NULL, Tracer
 
 
 @dataclass
@@ -29,7 +31,8 @@ class LocalEntry:
     array: Any
     out: Any
     handle: Any
-    submitted_at: float = 0.0
+    submitted_at: float = 0.0      # time.perf_counter() at submit
+    sent_at: float = 0.0           # when the engine told the coordinator
 
 
 @dataclass
@@ -42,7 +45,7 @@ class ExecContext:
     min_compress_bytes: int
     compressors: dict[str, Any] = field(default_factory=dict)
     step: int = 0
-    on_phase: Callable[[str, str, int], None] | None = None   # timeline hook (phase, name, bytes)
+    tracer: Tracer = NULL
 
     def compressor(self, spec: str) -> Any:
         """One compressor instance per spec, so its state persists across steps."""
@@ -75,6 +78,7 @@ def _finish_scaling(buf: Any, op: str, dtype: str, n: int, postscale: float) -> 
 def allreduce_bucket(ctx: ExecContext, resps: list[Response],
                      entries: list[LocalEntry | None]) -> list[Any]:
     """Fuse, reduce and unpack one bucket of allreduces; returns each entry's result."""
+    t0 = time.perf_counter() if ctx.tracer.enabled else 0.0
     req = resps[0].request
     n = ctx.topo.size
     rdt = dtypes.reduce_dtype(req.dtype)
@@ -109,10 +113,21 @@ def allreduce_bucket(ctx: ExecContext, resps: list[Response],
     offsets = [sum(sizes[:i]) for i in range(len(sizes))]
     bctx = BucketContext(tuple(r.request.name for r in resps), tuple(offsets), tuple(sizes),
                          0, ctx.step)
-    algorithms.allreduce(buf, dtypes.backend_op(req.op, req.dtype), ctx.topo, comp, bctx,
-                         ctx.algorithm)
+    tracer = ctx.tracer
+    t1 = time.perf_counter() if tracer.enabled else 0.0
+    used = algorithms.allreduce(buf, dtypes.backend_op(req.op, req.dtype), ctx.topo, comp, bctx,
+                                ctx.algorithm)
     _finish_scaling(buf, req.op, req.dtype, n, req.postscale)
+    if tracer.enabled:
+        t2 = time.perf_counter()
+        label = _bucket_label(resps)
+        tracer.span(label, "PACK", t0, t1, tensors=len(resps), bytes=int(buf.nbytes))
+        tracer.span(label, "ALLREDUCE" if comp is None else "COMPRESSED_ALLREDUCE", t1, t2,
+                    algorithm=used, compressor=getattr(comp, "name", "none"),
+                    bytes=int(buf.nbytes))
     if direct:
+        if tracer.enabled:
+            _trace_members(tracer, resps, t0, time.perf_counter())
         return [result]
     results = []
     target = dtypes.SUPPORTED[req.dtype]
@@ -125,7 +140,23 @@ def allreduce_bucket(ctx: ExecContext, resps: list[Response],
             results.append(entry.out)
         else:
             results.append(part.astype(target, copy=True))
+    if tracer.enabled:
+        t3 = time.perf_counter()
+        tracer.span(_bucket_label(resps), "UNPACK", t2, t3, tensors=len(resps))
+        _trace_members(tracer, resps, t0, t3)
     return results
+
+
+def _bucket_label(resps: list[Response]) -> str:
+    first = resps[0].request.name
+    return first if len(resps) == 1 else f"bucket[{first} +{len(resps) - 1}]"
+
+
+def _trace_members(tracer: Tracer, resps: list[Response], start: float, end: float) -> None:
+    label = _bucket_label(resps)
+    for r in resps:
+        tracer.span(r.request.name, "EXECUTE", start, end, bucket=label,
+                    bytes=int(_prod(r.request.shape) * dtypes.itemsize(r.request.dtype)))
 
 
 def allgather(ctx: ExecContext, resp: Response, entry: LocalEntry | None) -> Any:

@@ -9,10 +9,13 @@ collective (what an optimal algorithm sends), so benchmarks can compare formats;
 """
 from __future__ import annotations
 
+import functools
+import time
 from typing import Any, Sequence
 
 import numpy as np
 
+from ..tracing import NULL
 from .base import WireStats, displacements
 
 MAX_CHUNK_ELEMS = 1 << 30  # elements per reduction call; keeps MPI int counts in range
@@ -29,6 +32,23 @@ _OPS = {"sum": "SUM", "min": "MIN", "max": "MAX", "prod": "PROD"}
 
 def _as_bytes(buf: np.ndarray) -> np.ndarray:
     return buf.reshape(-1).view(np.uint8)
+
+
+def _timed(call: str):
+    """Report the call to the communicator's tracer (one attribute check when tracing is off)."""
+    def wrap(fn):
+        @functools.wraps(fn)
+        def inner(self, *args, **kwargs):
+            if not self.tracer.enabled:
+                return fn(self, *args, **kwargs)
+            start = time.perf_counter()
+            before = self.stats.bytes_sent
+            out = fn(self, *args, **kwargs)
+            self.tracer.span(f"link:{self.name}", call.upper(), start, time.perf_counter(),
+                             bytes_sent=self.stats.bytes_sent - before, ranks=self.size)
+            return out
+        return inner
+    return wrap
 
 
 class _Req:
@@ -55,6 +75,7 @@ class MPICommunicator:
         self.size = comm.Get_size()
         self.name = name
         self.stats = WireStats()
+        self.tracer = NULL
 
     # -- reductions ---------------------------------------------------------------------------
     def _mpi_type(self, dtype: np.dtype) -> Any:
@@ -64,6 +85,7 @@ class MPICommunicator:
         except KeyError:
             raise TypeError(f"MPI backend cannot reduce dtype {np.dtype(dtype)}") from None
 
+    @_timed("allreduce")
     def allreduce(self, buf: np.ndarray, op: str = "sum") -> None:
         MPI = _mpi()
         flat = buf.reshape(-1)
@@ -77,6 +99,7 @@ class MPICommunicator:
         moved = 2 * (self.size - 1) * n // self.size if self.size > 1 else 0
         self.stats.add("allreduce", moved, moved)
 
+    @_timed("reduce_scatter")
     def reduce_scatterv(self, sendbuf: np.ndarray, recvbuf: np.ndarray,
                         counts: Sequence[int], op: str = "sum") -> None:
         MPI = _mpi()
@@ -90,6 +113,7 @@ class MPICommunicator:
         self.stats.add("reduce_scatter", sent, recv)
 
     # -- data movement -------------------------------------------------------------------------
+    @_timed("allgather")
     def allgatherv(self, sendbuf: np.ndarray, recvbuf: np.ndarray,
                    counts: Sequence[int]) -> None:
         MPI = _mpi()
@@ -100,6 +124,7 @@ class MPICommunicator:
         mine = bcounts[self.rank]
         self.stats.add("allgather", mine * (self.size - 1), sum(bcounts) - mine)
 
+    @_timed("alltoall")
     def alltoallv(self, sendbuf: np.ndarray, sendcounts: Sequence[int], recvbuf: np.ndarray,
                   recvcounts: Sequence[int]) -> None:
         MPI = _mpi()
@@ -110,6 +135,7 @@ class MPICommunicator:
                             [_as_bytes(recvbuf), rc, displacements(rc), MPI.BYTE])
         self.stats.add("alltoall", sum(sc) - sc[self.rank], sum(rc) - rc[self.rank])
 
+    @_timed("broadcast")
     def bcast(self, buf: np.ndarray, root: int) -> None:
         MPI = _mpi()
         self.comm.Bcast([_as_bytes(buf), MPI.BYTE], root=root)
