@@ -2,7 +2,7 @@
 first use by CuPy (NVRTC), CPU kernels by numba's JIT."""
 from pathlib import Path
 
-from setuptools import find_packages, setup
+from setuptools import find_packages, setup  # noqa: F401
 
 HERE = Path(__file__).parent
 TORCH = "torch==2.13.0"  # its CPU wheel is what these machines have; a range pulls a CUDA build
@@ -16,9 +16,9 @@ setup(
     if (HERE / "README.md").exists() else "",
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
-    packages=find_packages(include=["lightcc", "lightcc.*"]),
-    package_data={"lightcc": ["_csrc/*.cu", "_csrc/*.cuh"]},
-    data_files=[],
+    packages=find_packages(include=["lightcc", "lightcc.*"]) + ["lightcc._csrc"],
+    package_dir={"lightcc._csrc": "csrc"},           # CUDA sources, compiled at first use
+    package_data={"lightcc._csrc": ["*.cu", "*.cuh"]},
     install_requires=[
         "numpy>=1.24",
         "mpi4py>=4.0",

@@ -312,6 +312,9 @@ def _scales(pre: float, post: float, dtype: str, what: str) -> tuple[float, floa
     return pre, post
 
 
+_VALID_SPECS: set[str] = {"none"}
+
+
 def _compression_spec(compression: Any) -> str:
     if compression is None:
         return "none"
@@ -319,9 +322,14 @@ def _compression_spec(compression: Any) -> str:
     if not isinstance(spec, str):
         raise InvalidArgumentError(f"compression must be a Compression value or spec string, "
                                    f"got {compression!r}")
-    from . import compression as comp_mod
+    if spec not in _VALID_SPECS:
+        from . import compression as comp_mod
 
-    comp_mod.make(spec)  # validates the name now, on the user's thread
+        try:
+            comp_mod.make(spec)  # validates the spec now, on the user's thread
+        except ValueError as exc:
+            raise InvalidArgumentError(str(exc)) from None
+        _VALID_SPECS.add(spec)
     return spec
 
 

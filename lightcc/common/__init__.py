@@ -1,0 +1,1 @@
+"""Framework-agnostic core of lightcc (NumPy/CuPy arrays); see docs/architecture.md."""
