@@ -99,6 +99,7 @@ def init(comm: Any = None, process_sets: Sequence[ProcessSet] | None = None,
             comm = MPI.COMM_WORLD
         elif isinstance(comm, (list, tuple)):
             comm = MPI.COMM_WORLD.Create_group(MPI.COMM_WORLD.Get_group().Incl(list(comm)))
+        _apply_algorithm_settings(cfg)
         hostnames = comm.allgather(MPI.Get_processor_name())
         _engine = Engine(cfg, comm, hostnames)
         _install_rank_prefix(_engine.rank)
@@ -109,6 +110,17 @@ def init(comm: Any = None, process_sets: Sequence[ProcessSet] | None = None,
             _atexit_registered = True
     for ps in process_sets or ():
         add_process_set(ps)
+
+
+def _apply_algorithm_settings(cfg: config_mod.Config) -> None:
+    """Push the ``auto`` thresholds and the ring chunk size into the algorithms package."""
+    from . import algorithms
+    from .algorithms import ring
+
+    algorithms.set_thresholds(small_bytes=cfg.auto_small_bytes,
+                              hierarchical_bytes=cfg.auto_multinode_bytes,
+                              multi_node=cfg.auto_multi_node)
+    ring.CHUNK_BYTES = cfg.ring_chunk_bytes
 
 
 def shutdown() -> None:

@@ -114,6 +114,17 @@ KNOBS: tuple[Knob, ...] = (
          "Buckets smaller than this are sent uncompressed.", _min(0)),
     Knob("algorithm", "LCC_ALGORITHM", lambda t: t.strip().lower(), "auto", "",
          "Allreduce algorithm: auto, flat, ring, hierarchical, 2d, tree.", _algorithm_ok),
+    Knob("auto_small_bytes", "LCC_AUTO_SMALL_BYTES", _parse_int, 64 * 1024, "bytes",
+         "algorithm=auto uses the small-message algorithm (the native call) below this size.",
+         _min(0)),
+    Knob("auto_multinode_bytes", "LCC_AUTO_HIERARCHICAL_BYTES", _parse_int, 256 * 1024, "bytes",
+         "algorithm=auto uses the multi-node algorithm from this size on jobs with several "
+         "nodes of several ranks.", _min(0)),
+    Knob("auto_multi_node", "LCC_AUTO_MULTI_NODE", lambda t: t.strip().lower(), "2d", "",
+         "algorithm=auto's choice for multi-node host buffers (2d or hierarchical).",
+         lambda v: "must be a concrete algorithm, not auto" if v == "auto" else _algorithm_ok(v)),
+    Knob("ring_chunk_bytes", "LCC_RING_CHUNK_BYTES", _parse_int, 1 << 20, "bytes",
+         "Pipeline chunk of the ring and 2d algorithms.", _min(1)),
     Knob("num_links", "LCC_NUM_LINKS", _parse_int, 2, "",
          "Parallel TCP links per peer pair (Open MPI btl_tcp_links), set by lccrun.", _min(1)),
     Knob("backend", "LCC_BACKEND", lambda t: t.strip().lower(), "auto", "",
@@ -150,6 +161,10 @@ class Config:
     compression: str
     min_compress_bytes: int
     algorithm: str
+    auto_small_bytes: int
+    auto_multinode_bytes: int
+    auto_multi_node: str
+    ring_chunk_bytes: int
     num_links: int
     backend: str
     cpu_reduce: bool

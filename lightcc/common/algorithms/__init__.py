@@ -1,0 +1,113 @@
+"""Allreduce algorithms over the ``Communicator`` protocol, and the ``auto`` choice.
+
+:func:`allreduce` is the engine's single entry point: it sums (or min/max/prod) a 1-D
+buffer over the world in place using the named algorithm, letting the compressor (if any)
+carry the data that crosses the slowest link.
+
+Algorithms (docs/topology.md): ``flat`` (backend native), ``ring`` (pipelined ring of
+lightcc's own), ``hierarchical`` (node reduce-scatter / cross allreduce / node allgather),
+``2d`` (the same grid with pipelined rings in both dimensions), ``tree`` (recursive doubling).
+
+``auto`` (:func:`choose`) picks by buffer size and topology using :data:`THRESHOLDS`, which
+the autotuner (or a user) may change with :func:`set_thresholds`.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from ..compression.base import BucketContext, Compressor
+from ..topology import Topology
+from . import flat, hierarchical, ring, tree, twod
+
+Algorithm = Callable[[Any, str, Topology, "Compressor | None", BucketContext], None]
+
+_REGISTRY: dict[str, Algorithm] = {
+    "flat": flat.allreduce,
+    "ring": ring.allreduce,
+    "hierarchical": hierarchical.allreduce,
+    "2d": twod.allreduce,
+    "tree": tree.allreduce,
+}
+
+
+@dataclass(frozen=True)
+class AutoThresholds:
+    """What ``auto`` picks (sizes in bytes of the whole buffer; same on every rank).
+
+    - below ``small_bytes``: ``small`` (latency-bound; the native call is usually a C
+      recursive doubling already);
+    - one node, or one rank on every node: ``flat`` — nothing topological to exploit;
+    - several nodes with several ranks each, at or above ``hierarchical_bytes``:
+      ``multi_node`` for host (MPI) buffers — ``2d``: lightcc's pipelined rings beat Open
+      MPI's native collectives on TCP in docs/topology.md's measurements — and
+      ``multi_node_device`` (``hierarchical``, native NCCL phases) for device buffers; only
+      1/L of the data per rank crosses the slow link, on L parallel connections. Below the
+      threshold ``flat``.
+    """
+
+    small_bytes: int = 64 * 1024
+    small: str = "flat"
+    hierarchical_bytes: int = 256 * 1024
+    multi_node: str = "2d"
+    multi_node_device: str = "hierarchical"
+
+
+#: The thresholds ``auto`` uses now; replace with :func:`set_thresholds`.
+THRESHOLDS = AutoThresholds()
+
+
+def set_thresholds(**changes: Any) -> AutoThresholds:
+    """Change fields of :data:`THRESHOLDS` (e.g. ``hierarchical_bytes=1 << 20``); returns them.
+
+    Must be called with the same values on every rank (the choice has to agree everywhere).
+    """
+    global THRESHOLDS
+    for key in ("small", "multi_node", "multi_node_device"):
+        if key in changes and changes[key] not in _REGISTRY:
+            raise ValueError(f"{key}={changes[key]!r} is not an algorithm; "
+                             f"known: {', '.join(sorted(_REGISTRY))}")
+    THRESHOLDS = dataclasses.replace(THRESHOLDS, **changes)
+    return THRESHOLDS
+
+
+def register(name: str, fn: Algorithm) -> None:
+    """Add an algorithm under ``name`` (used by the algorithm modules)."""
+    _REGISTRY[name] = fn
+
+
+def available_algorithms() -> list[str]:
+    """Names accepted by ``LCC_ALGORITHM`` / ``init(algorithm=...)``."""
+    return ["auto", *sorted(_REGISTRY)]
+
+
+def choose(name: str, nbytes: int, topo: Topology,
+           thresholds: AutoThresholds | None = None) -> str:
+    """Resolve ``auto`` to a concrete algorithm for a buffer of ``nbytes`` on ``topo``.
+
+    Depends only on values equal on every rank (size, node layout), so all ranks agree.
+    """
+    if name != "auto":
+        if name not in _REGISTRY:
+            raise ValueError(f"unknown algorithm {name!r}; known: {', '.join(available_algorithms())}")
+        return name
+    t = THRESHOLDS if thresholds is None else thresholds
+    if topo.size == 1:
+        return "flat"
+    if nbytes < t.small_bytes:
+        return t.small
+    nodes = topo.num_nodes
+    if nodes == 1 or nodes == topo.size:
+        return "flat"
+    if nbytes < t.hierarchical_bytes:
+        return "flat"
+    return t.multi_node_device if getattr(topo.world, "is_device", False) else t.multi_node
+
+
+def allreduce(buf: Any, op: str, topo: Topology, compressor: Compressor | None,
+              ctx: BucketContext, algorithm: str = "auto") -> str:
+    """Reduce ``buf`` over ``topo.world`` in place; returns the algorithm actually used."""
+    name = choose(algorithm, int(buf.nbytes), topo)
+    _REGISTRY[name](buf, op, topo, compressor, ctx)
+    return name

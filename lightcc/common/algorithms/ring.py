@@ -1,0 +1,128 @@
+"""``ring``: chunked, pipelined ring reduce-scatter + allgather over point-to-point calls.
+
+Rank r sends to r+1 and receives from r-1 (world rank order, so with nodes made of
+consecutive ranks the ring crosses each node boundary once per direction). The buffer is cut
+into ``size`` segments, and every segment into the same number ``K`` of chunks; chunk ``c``
+travels the ring on its own (tag ``c``), so after the first step up to ``K`` sends and ``K``
+receives are outstanding and a chunk is forwarded as soon as it has been reduced. Keeping
+several requests in flight is what lets Open MPI stripe over several TCP links
+(``btl_tcp_links``) and keeps a slow link busy while the previous chunk is reduced.
+
+The building blocks :func:`reduce_scatter` and :func:`allgather` work on any communicator and
+are reused by the ``2d`` algorithm along rows and columns.
+
+With a compressor, ``ring`` hands the whole buffer to ``compressor.allreduce(world, ...)``
+(a compressed sum is the compressor's scheme, not a chain of partial sums); see
+docs/topology.md.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, Sequence
+
+from ..backends.base import Communicator, displacements, even_counts
+from ..compression.base import BucketContext, Compressor
+from ..topology import Topology
+from ._ops import empty, reduce_into, uses_compressor
+
+log = logging.getLogger("lightcc")
+
+#: Target bytes per chunk; a segment is split into ceil(segment_bytes / CHUNK_BYTES) chunks.
+CHUNK_BYTES = 1 << 20
+#: Upper bound on chunks per segment (= outstanding sends per rank, and the tag range used).
+MAX_CHUNKS = 16
+
+
+def num_chunks(counts: Sequence[int], itemsize: int, chunk_bytes: int | None = None,
+               max_chunks: int | None = None) -> int:
+    """Chunks per segment for segments of ``counts`` elements (same on every rank, >= 1)."""
+    chunk_bytes = CHUNK_BYTES if chunk_bytes is None else chunk_bytes
+    max_chunks = MAX_CHUNKS if max_chunks is None else max_chunks
+    largest = max(counts) * itemsize if counts else 0
+    return max(1, min(max_chunks, -(-largest // max(1, chunk_bytes))))
+
+
+def _ring_pass(comm: Communicator, buf: Any, counts: Sequence[int], op: str | None,
+               send_seg: Callable[[int], int], recv_seg: Callable[[int], int]) -> None:
+    """``size - 1`` ring steps; received chunks are reduced into ``buf`` (``op``) or stored.
+
+    At step ``t`` this rank sends segment ``send_seg(t)`` to the right and receives segment
+    ``recv_seg(t)`` from the left; ``send_seg(t + 1) == recv_seg(t)`` so each chunk is
+    forwarded right after it arrives.
+    """
+    p, r = comm.size, comm.rank
+    if p == 1:
+        return
+    right, left = (r + 1) % p, (r - 1) % p
+    displ = displacements(counts)
+    k = num_chunks(counts, buf.dtype.itemsize)
+    pieces = [displacements(even_counts(c, k)) + [c] for c in counts]
+
+    def piece(seg: int, c: int) -> Any:
+        lo, hi = pieces[seg][c], pieces[seg][c + 1]
+        return buf[displ[seg] + lo:displ[seg] + hi]
+
+    scratch = [empty(max(pieces[s][c + 1] - pieces[s][c] for s in range(p)), buf)
+               for c in range(k)] if op is not None else []
+    sends: list[Any] = [None] * k
+    recvs: list[Any] = [None] * k
+
+    def post(t: int, c: int) -> None:
+        out = piece(send_seg(t), c)
+        into = piece(recv_seg(t), c)
+        if into.size:
+            target = scratch[c][:into.size] if op is not None else into
+            recvs[c] = comm.irecv(target, left, tag=c)
+        if out.size:
+            sends[c] = comm.isend(out, right, tag=c)
+
+    for c in range(k):
+        post(0, c)
+    for t in range(p - 1):
+        for c in range(k):
+            if recvs[c] is not None:
+                recvs[c].wait()
+                recvs[c] = None
+                if op is not None:
+                    into = piece(recv_seg(t), c)
+                    reduce_into(into, scratch[c][:into.size], op)
+            if sends[c] is not None:
+                sends[c].wait()
+                sends[c] = None
+            if t + 1 < p - 1:
+                post(t + 1, c)
+
+
+def reduce_scatter(comm: Communicator, buf: Any, counts: Sequence[int], op: str) -> None:
+    """Reduce ``buf`` over ``comm``; afterwards segment ``comm.rank`` of ``buf`` holds the result.
+
+    Other segments are left holding partial results (scratch).
+    """
+    p, r = comm.size, comm.rank
+    _ring_pass(comm, buf, counts, op, lambda t: (r - t - 1) % p, lambda t: (r - t - 2) % p)
+
+
+def allgather(comm: Communicator, buf: Any, counts: Sequence[int]) -> None:
+    """Every rank contributes segment ``comm.rank`` of ``buf``; afterwards all hold all segments."""
+    p, r = comm.size, comm.rank
+    _ring_pass(comm, buf, counts, None, lambda t: (r - t) % p, lambda t: (r - t - 1) % p)
+
+
+def ring_allreduce(comm: Communicator, buf: Any, op: str) -> None:
+    """Pipelined ring allreduce of the 1-D ``buf`` over ``comm``, in place."""
+    if comm.size == 1 or buf.size == 0:
+        return
+    counts = even_counts(buf.size, comm.size)
+    reduce_scatter(comm, buf, counts, op)
+    allgather(comm, buf, counts)
+
+
+def allreduce(buf: Any, op: str, topo: Topology, compressor: Compressor | None,
+              ctx: BucketContext) -> None:
+    """Ring over the world; a compressor gets the whole buffer over the world instead."""
+    if uses_compressor(compressor, op):
+        log.debug("ring: compressor %s given, using its own scheme over the world",
+                  getattr(compressor, "name", compressor))
+        compressor.allreduce(topo.world, buf, ctx)
+        return
+    ring_allreduce(topo.world, buf, op)
