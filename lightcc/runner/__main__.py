@@ -1,0 +1,6 @@
+"""``python -m lightcc.runner`` is ``lccrun``."""
+import sys
+
+from .cli import main
+
+sys.exit(main())

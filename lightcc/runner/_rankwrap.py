@@ -1,0 +1,183 @@
+"""Run one rank's Python program so that its failure ends the whole job promptly.
+
+``lccrun`` starts ``python train.py args`` as ``python -m lightcc.runner._rankwrap train.py
+args`` (also ``-c code`` and ``-m module``). The program runs in this process as ``__main__``.
+If it raises or calls ``sys.exit`` with a non-zero code after MPI was initialised, a plain exit
+would block in ``MPI_Finalize`` while the other ranks wait in a collective; instead this
+wrapper prints the traceback, records the rank's exit status in ``$LCC_RUNNER_STATUS_DIR`` (when
+lccrun set it) and calls ``MPI_Abort`` with the exit code, so Open MPI ends every rank.
+A clean exit (code 0) is left alone.
+
+Other programs run as ``python -I .../_rankwrap.py --exec program args`` (the file itself, so
+nothing but the standard library is imported): the program runs as a child process and a
+non-zero exit or a fatal signal is recorded the same way, then passed on unchanged (exit code,
+or the same signal) so Open MPI sees what it would have seen without the wrapper.
+"""
+from __future__ import annotations
+
+import json
+import os
+import runpy
+import signal
+import subprocess
+import sys
+import time
+import traceback
+import types
+
+STATUS_DIR_ENV = "LCC_RUNNER_STATUS_DIR"
+
+
+def world_rank() -> int | None:
+    for name in ("OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK"):
+        value = os.environ.get(name)
+        if value is not None and value.isdigit():
+            return int(value)
+    return None
+
+
+def write_status(code: int, what: str, signum: int = 0) -> None:
+    """Record ``{rank, code, what, signal, time}`` for lccrun's summary; never raises."""
+    directory, rank = os.environ.get(STATUS_DIR_ENV), world_rank()
+    if not directory or rank is None:
+        return
+    record = {"rank": rank, "code": code, "what": what, "time": time.time()}
+    if signum:
+        record["signal"] = signum
+    try:
+        path = os.path.join(directory, f"rank-{rank}.json")
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "w") as fh:
+            json.dump(record, fh)
+        os.replace(tmp, path)
+    except OSError:
+        pass
+
+
+def _exit_code(exc: BaseException) -> tuple[int, str]:
+    """(exit code, description) the way the interpreter itself would exit."""
+    if isinstance(exc, SystemExit):
+        code = exc.code
+        if code is None:
+            return 0, ""
+        if isinstance(code, int):
+            return code, "sys.exit"
+        print(code, file=sys.stderr)  # sys.exit("message") prints it and exits 1
+        return 1, f"sys.exit({str(code)[:200]!r})"
+    if isinstance(exc, KeyboardInterrupt):
+        return 130, "KeyboardInterrupt"
+    return 1, f"uncaught {type(exc).__name__}: {str(exc)[:300]}".rstrip(": ")
+
+
+def _user_traceback(exc: BaseException) -> None:
+    """Print the traceback without this wrapper's and runpy's frames."""
+    tb = exc.__traceback__
+    skip = {os.path.abspath(__file__), os.path.abspath(runpy.__file__), "<frozen runpy>"}
+    while tb is not None and (tb.tb_frame.f_code.co_filename in skip
+                              or os.path.abspath(tb.tb_frame.f_code.co_filename) in skip):
+        tb = tb.tb_next
+    traceback.print_exception(type(exc), exc, tb)
+
+
+def _abort_if_mpi(code: int) -> None:
+    """MPI_Abort(code) when this process initialised MPI (through mpi4py) and has not finalised."""
+    mpi = sys.modules.get("mpi4py.MPI")
+    if mpi is None:
+        return
+    try:
+        if not mpi.Is_initialized() or mpi.Is_finalized():
+            return
+    except Exception:  # noqa: BLE001 - a broken MPI state must not hide the user's exit code
+        return
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # noqa: BLE001
+            pass
+    mpi.COMM_WORLD.Abort(code & 0xFF or 1)
+
+
+def _run(args: list[str]) -> None:
+    """Run ``script args`` / ``-c code args`` / ``-m module args`` as ``__main__``."""
+    if args[0] == "-c":
+        sys.argv = ["-c", *args[2:]]
+        module = types.ModuleType("__main__")
+        module.__dict__["__builtins__"] = __builtins__
+        saved = sys.modules.get("__main__")
+        sys.modules["__main__"] = module
+        try:
+            exec(compile(args[1], "<string>", "exec"), module.__dict__)  # noqa: S102
+        finally:
+            if saved is not None:
+                sys.modules["__main__"] = saved
+    elif args[0] == "-m":
+        sys.argv = args[1:]
+        runpy.run_module(args[1], run_name="__main__", alter_sys=True)
+    else:
+        sys.argv = list(args)
+        if not getattr(sys.flags, "isolated", 0):
+            sys.path[0] = os.path.dirname(os.path.realpath(args[0]))
+        runpy.run_path(args[0], run_name="__main__")
+
+
+def run_child(command: list[str]) -> int:
+    """Run a non-Python program as a child; record and pass on a non-zero exit or a signal."""
+    try:
+        child = subprocess.Popen(command)
+    except OSError as exc:
+        print(f"lccrun: rank {world_rank()}: cannot start {command[0]!r}: {exc.strerror}",
+              file=sys.stderr)
+        write_status(127, f"cannot start {command[0]!r}")
+        return 127
+
+    told: list[int] = []  # signals sent to us (teardown by Open MPI or lccrun): not a failure
+
+    def forward(signum, _frame) -> None:
+        told.append(signum)
+        try:
+            child.send_signal(signum)
+        except ProcessLookupError:
+            pass
+
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2):
+        signal.signal(sig, forward)
+    code = child.wait()
+    if code > 0 and not told:
+        write_status(code, "")
+    elif code < 0:
+        if not told:
+            write_status(128 - code, "", signum=-code)
+        sys.stdout.flush()
+        try:
+            signal.signal(-code, signal.SIG_DFL)  # die the same way, for Open MPI's report
+        except (OSError, ValueError):  # SIGKILL, SIGSTOP: already the default
+            pass
+        os.kill(os.getpid(), -code)
+        return 128 - code
+    return code
+
+
+def main(args: list[str] | None = None) -> int:
+    args = sys.argv[1:] if args is None else args
+    if args[:1] == ["--exec"] and len(args) > 1:
+        return run_child(args[1:])
+    if not args or (args[0] in ("-c", "-m") and len(args) < 2):
+        print("usage: python -m lightcc.runner._rankwrap (script | -c code | -m module) [args]"
+              "\n       python -I _rankwrap.py --exec program [args]", file=sys.stderr)
+        return 2
+    try:
+        _run(args)
+    except BaseException as exc:  # noqa: BLE001 - every way out is reported
+        code, what = _exit_code(exc)
+        if code == 0:
+            return 0
+        if not isinstance(exc, SystemExit):
+            _user_traceback(exc)
+        write_status(code, what)
+        _abort_if_mpi(code)
+        return code
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

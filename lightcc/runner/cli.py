@@ -1,0 +1,82 @@
+"""``lccrun`` main: parse, validate, then print (``--dry-run``) or run the ``mpirun`` command."""
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import tempfile
+
+from ..common.exceptions import ConfigError
+from .args import UsageError, parse_args, to_spec
+from .command import (STATUS_DIR_ENV, Launch, build_command, check_command, current_machine,
+                      dry_run_text)
+from .version import lightcc_version
+
+USAGE_EXIT = 2
+
+
+def _fail(message: str) -> int:
+    sys.stderr.write(f"lccrun: error: {message} (see lccrun --help)\n")
+    return USAGE_EXIT
+
+
+def prepare(argv: list[str], environ: dict[str, str] | None = None) -> tuple[str, object]:
+    """Parse ``argv`` into ('version' | 'check' | 'launch', payload); UsageError if invalid."""
+    ns = parse_args(argv)
+    if ns.version:
+        return "version", f"lccrun (lightcc) {lightcc_version()}"
+    if ns.check_build:
+        return "check", None
+    spec = to_spec(ns)
+    env = dict(os.environ if environ is None else environ)
+    launch = build_command(spec, current_machine(), env)
+    try:
+        check_command(spec.command, launch.env.get("PATH"))
+    except UsageError as exc:
+        if not spec.dry_run:
+            raise
+        launch.warnings.append(str(exc))  # a dry run may describe a command for elsewhere
+    return ("dry-run" if spec.dry_run else "launch"), (spec, launch)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv in (["-h"], ["--help"]) or not argv:
+        from .args import build_parser
+
+        build_parser().print_help()
+        return 0 if argv else USAGE_EXIT
+    try:
+        mode, payload = prepare(argv)
+    except (UsageError, ConfigError) as exc:
+        return _fail(str(exc))
+    if mode == "version":
+        print(payload)
+        return 0
+    if mode == "check":
+        from .check_build import collect, render
+
+        sys.stdout.write(render(collect()))
+        return 0
+    spec, launch = payload  # type: ignore[misc]
+    if mode == "dry-run":
+        sys.stdout.write(dry_run_text(launch))
+        return 0
+    return run(launch, verbose=spec.verbose)
+
+
+def run(launch: Launch, verbose: bool = False) -> int:
+    """Run the job with a private status directory for the rank wrappers."""
+    from .supervise import supervise
+
+    if verbose:
+        sys.stderr.write(f"lccrun: {launch.shell()}\n")
+        sys.stderr.flush()
+    status_dir = tempfile.mkdtemp(prefix="lccrun-")
+    env = dict(launch.env)
+    env[STATUS_DIR_ENV] = status_dir
+    try:
+        sys.stdout.flush()
+        return supervise(launch.argv, env, status_dir)
+    finally:
+        shutil.rmtree(status_dir, ignore_errors=True)
