@@ -14,7 +14,8 @@ from .common.api import (Adasum, Average, GroupHandle, Max, Min, ProcessSet, Pro
                          grouped_allreduce, grouped_allreduce_async, init, is_homogeneous,
                          is_initialized, join, local_rank, local_size, poll, rank,
                          reducescatter, reducescatter_async, remove_process_set, shutdown,
-                         size, stats, synchronize)
+                         size, start_timeline, stats, stop_timeline, synchronize)
+from .common.compression.api import Compression
 from .common.engine import Handle
 from .common.exceptions import (CollectiveError, ConfigError, DuplicateNameError,
                                 HorovodInternalError, InvalidArgumentError, LightCCError,

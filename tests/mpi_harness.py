@@ -40,6 +40,7 @@ def mpi_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH", "")]))
     env.setdefault("OMPI_MCA_mpi_yield_when_idle", "1")
+    env.setdefault("NUMBA_NUM_THREADS", "1")  # ranks share 2 cores; threads would oversubscribe
     env.setdefault("PRTE_MCA_rmaps_default_mapping_policy", ":oversubscribe")
     env.setdefault("OMPI_MCA_rmaps_base_oversubscribe", "1")
     env["PYTHONUNBUFFERED"] = "1"

@@ -47,3 +47,10 @@ def test_invalid_env_value_is_reported_on_every_rank():
                             "except lcc.ConfigError as e:\n    print('CONFIG', e)\n"],
                   env={"LCC_FUSION_THRESHOLD": "-5"}).stdout
     assert out.count("CONFIG LCC_FUSION_THRESHOLD=-5: must be >= 0") == 2, out
+
+
+@pytest.mark.parametrize("np_,local", [(2, "0"), (3, "2"), (4, "2")])
+def test_compressed_allreduce_through_engine_every_algorithm(np_, local):
+    out = run_mpi(np_, [W + "engine_compression.py"], env={"LCC_LOCAL_SIZE": local},
+                  timeout=240).stdout
+    assert out.count("engine compression ok") == np_, out

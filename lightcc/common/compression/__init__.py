@@ -7,7 +7,13 @@ from __future__ import annotations
 
 from .base import BucketContext, Compressor
 
+import importlib
+
 _FACTORIES: dict = {}
+# built-in formats and the module that registers each; imported on first use so that
+# `import lightcc` does not pay for numba's start-up when compression is off
+_BUILTIN = {"fp16": "fp", "bf16": "fp", "fp8": "fp", "fp8_e5m2": "fp", "topk": "topk",
+            "powersgd": "powersgd"}
 
 
 def register(name: str, factory) -> None:
@@ -17,7 +23,7 @@ def register(name: str, factory) -> None:
 
 def available_compressors() -> list[str]:
     """Names accepted by ``LCC_COMPRESSION`` and ``lccrun --compression``."""
-    return ["none", *sorted(_FACTORIES)]
+    return ["none", *sorted(set(_FACTORIES) | set(_BUILTIN))]
 
 
 def make(spec: str) -> Compressor | None:
@@ -26,9 +32,13 @@ def make(spec: str) -> Compressor | None:
     name, *options = spec.split(":")
     if name == "none":
         return None
+    if name not in _FACTORIES and name in _BUILTIN:
+        importlib.import_module(f".{_BUILTIN[name]}", __name__)
     if name not in _FACTORIES:
         raise ValueError(f"unknown compressor {spec!r}; known: {', '.join(available_compressors())}")
     return _FACTORIES[name](options)
 
 
 __all__ = ["BucketContext", "Compressor", "available_compressors", "make", "register"]
+
+from .api import Compression, CompressionSpec  # noqa: E402,F401

@@ -23,7 +23,8 @@ class BucketContext:
 
     ``names``/``offsets``/``sizes`` describe the tensors packed in the *full* bucket (element
     offsets); ``base`` is the element offset of the buffer being reduced within that bucket
-    (0 unless an algorithm split the bucket); ``step`` counts buckets seen by the engine.
+    (0 unless an algorithm split the bucket); ``step`` counts buckets seen by the engine;
+    ``shapes`` are the tensors' shapes.
     """
 
     names: tuple[str, ...]
@@ -31,10 +32,12 @@ class BucketContext:
     sizes: tuple[int, ...]
     base: int = 0
     step: int = 0
+    shapes: tuple[tuple[int, ...], ...] = ()   # per tensor (PowerSGD factorizes each one)
 
     def sub(self, start: int) -> "BucketContext":
         """The context of a slice starting ``start`` elements into this buffer."""
-        return BucketContext(self.names, self.offsets, self.sizes, self.base + start, self.step)
+        return BucketContext(self.names, self.offsets, self.sizes, self.base + start, self.step,
+                             self.shapes)
 
 
 @runtime_checkable

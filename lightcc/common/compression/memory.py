@@ -1,0 +1,62 @@
+"""Error-feedback memory: per-tensor residuals, kept apart from the compression math.
+
+A lossy compressor adds the residual of each tensor to the bucket before compressing and stores
+what it did not send afterwards (Seide et al. 2014; Karimireddy et al. 2019, "EF-SGD").
+Residuals are keyed by **tensor name**, not by bucket, so they survive changes of the fusion
+plan; ``BucketContext`` (names/offsets/sizes, plus ``base`` for a slice) says which elements of
+the buffer belong to which tensor. Residuals live until :meth:`clear`; nothing is dropped
+automatically (a renamed or deleted parameter keeps its residual; call ``clear(names)``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Iterator
+
+import numpy as np
+
+from .base import BucketContext
+
+
+def segments(ctx: BucketContext, n: int) -> Iterator[tuple[str, int, int, int, int]]:
+    """``(name, size, buf_lo, buf_hi, tensor_lo)`` for each tensor overlapping the buffer."""
+    lo, hi = ctx.base, ctx.base + n
+    for name, off, size in zip(ctx.names, ctx.offsets, ctx.sizes):
+        a, b = max(lo, off), min(hi, off + size)
+        if a < b:
+            yield name, size, a - lo, b - lo, a - off
+
+
+@dataclass
+class ResidualMemory:
+    """float32 residual per tensor name (full tensor size)."""
+
+    residuals: dict[str, np.ndarray] = field(default_factory=dict)
+
+    def add_to(self, buf: np.ndarray, ctx: BucketContext) -> None:
+        """``buf += residual`` for every tensor in the buffer that has one."""
+        for name, size, lo, hi, tlo in segments(ctx, buf.size):
+            r = self.residuals.get(name)
+            if r is not None and r.size == size:
+                buf[lo:hi] += r[tlo:tlo + hi - lo]
+
+    def store(self, residual: np.ndarray, ctx: BucketContext) -> None:
+        """Remember ``residual`` (same layout as the buffer) as each tensor's new residual."""
+        for name, size, lo, hi, tlo in segments(ctx, residual.size):
+            r = self.residuals.get(name)
+            if r is None or r.size != size:
+                r = self.residuals[name] = np.zeros(size, np.float32)
+            r[tlo:tlo + hi - lo] = residual[lo:hi]
+
+    def clear(self, names: Iterable[str] | None = None) -> None:
+        """Forget the residuals of ``names`` (all when None)."""
+        if names is None:
+            self.residuals.clear()
+        for name in names or ():
+            self.residuals.pop(name, None)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {name: r.copy() for name, r in self.residuals.items()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.residuals = {str(k): np.array(v, dtype=np.float32).reshape(-1)
+                          for k, v in state.items()}

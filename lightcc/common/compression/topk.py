@@ -1,0 +1,102 @@
+"""TopK sparsification with error feedback (Aji & Heafield 2017; Stich et al. 2018).
+
+Each rank adds its residual to the buffer, keeps the ``k = max(1, ceil(ratio * n))`` entries of
+largest magnitude (exactly k; NaN/Inf always among them), and the ranks allgather their
+``(int32 index, float32 value)`` pairs: ``8 k (n-1)`` bytes sent per rank. Every rank
+scatter-adds all pairs, in rank order, into a zeroed buffer, so results are bitwise identical.
+The entries not sent become the new residual (per tensor name, see ``memory.py``).
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from ..backends.base import Communicator
+from ..exceptions import ConfigError
+from ..kernels import scatter_add, topk_indices
+from . import register
+from .base import BucketContext
+from .memory import ResidualMemory
+
+
+class TopKCompressor:
+    """Top-k of each buffer by magnitude, allgathered as index/value pairs."""
+
+    lossy = True
+
+    def __init__(self, ratio: float = 0.01, error_feedback: bool = True) -> None:
+        if not 0.0 < ratio <= 1.0:
+            raise ConfigError(f"topk ratio must be in (0, 1], got {ratio}")
+        self.ratio = float(ratio)
+        self.error_feedback = bool(error_feedback)
+        self.memory = ResidualMemory()
+        self.name = f"topk:{self.ratio:g}:{'ef' if error_feedback else 'noef'}"
+        self.last_k = 0          # k of the last buffer (for tests and stats)
+
+    def k_for(self, n: int) -> int:
+        """Entries each rank sends for a buffer of ``n`` elements."""
+        return min(n, max(1, math.ceil(self.ratio * n)))
+
+    def compress(self, buf: np.ndarray, ctx: BucketContext) -> tuple[np.ndarray, np.ndarray]:
+        """Add the residual to ``buf``, pick the top k, store the new residual.
+
+        Returns ``(indices int32, values float32)``; ``buf`` is left holding the residual
+        (the accumulated gradient with the sent entries zeroed).
+        """
+        if self.error_feedback:
+            self.memory.add_to(buf, ctx)
+        idx = topk_indices(buf, self.k_for(buf.size))
+        vals = buf[idx]
+        buf[idx] = 0.0
+        if self.error_feedback:
+            self.memory.store(buf, ctx)
+        return idx.astype(np.int32), vals
+
+    def allreduce(self, comm: Communicator, buf: np.ndarray, ctx: BucketContext) -> None:
+        """Sum over ``comm`` of every rank's top-k, in place (a single rank is exact)."""
+        n, p = buf.size, comm.size
+        if p == 1 or n == 0:
+            return
+        if n >= 2 ** 31:
+            raise ConfigError(f"topk: bucket of {n} elements exceeds int32 indices; "
+                              "lower the fusion threshold")
+        idx, vals = self.compress(buf, ctx)
+        k = self.last_k = idx.size
+        pack = np.empty(8 * k, np.uint8)
+        pack[:4 * k] = idx.view(np.uint8)
+        pack[4 * k:] = vals.view(np.uint8)
+        allp = np.empty(8 * k * p, np.uint8)
+        comm.allgatherv(pack, allp, [8 * k] * p)
+        buf[:] = 0.0
+        for r in range(p):
+            part = allp[8 * k * r:8 * k * (r + 1)]
+            scatter_add(part[:4 * k].view(np.int32), part[4 * k:].view(np.float32), buf)
+
+    def wire_bytes(self, numel: int, nranks: int) -> int:
+        """``8 k (nranks - 1)``: k int32 indices and k float32 values to every other rank."""
+        return 0 if nranks <= 1 or numel == 0 else 8 * self.k_for(numel) * (nranks - 1)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"residuals": self.memory.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.memory.load_state_dict(state.get("residuals", {}))
+
+
+def make_topk(options: list[str]) -> TopKCompressor:
+    """Options: a ratio (default 0.01) and ``ef`` / ``noef`` (default ef)."""
+    ratio, ef = 0.01, True
+    for opt in options:
+        if opt in ("ef", "noef"):
+            ef = opt == "ef"
+        else:
+            try:
+                ratio = float(opt)
+            except ValueError:
+                raise ConfigError(f"topk option {opt!r} not understood (a ratio, ef|noef)") from None
+    return TopKCompressor(ratio, ef)
+
+
+register("topk", make_topk)

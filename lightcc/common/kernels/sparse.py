@@ -1,0 +1,108 @@
+"""Top-k selection by sampled threshold, and scatter-add, for sparse (TopK) compression.
+
+:func:`topk_indices` returns exactly ``k`` indices of the largest ``|x|`` (NaN and ±Inf count as
+largest, so non-finite values are always sent), in ascending order. It estimates the k-th
+largest magnitude from a random sample, collects the candidates above it in one parallel pass
+(about 1.25 k of them), and finishes exactly with ``np.partition`` on the candidates; if the
+estimate was too high it lowers it and tries again. On the 2-core dev box this selects 1 % of
+25 M floats in ~25 ms where ``torch.topk`` takes ~320-440 ms.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from .floatcast import HAVE_NUMBA, TILE
+
+if HAVE_NUMBA:
+    from numba import njit, prange
+
+    @njit(parallel=True, cache=True)
+    def _count_at_least(x, t, counts):  # pragma: no cover - compiled
+        n = x.size
+        for i in prange(counts.size):
+            c = 0
+            for j in range(i * TILE, min(n, (i + 1) * TILE)):
+                a = abs(x[j])
+                c += 0 if a < t else 1          # NaN counts (the comparison is False)
+            counts[i] = c
+
+    @njit(parallel=True, cache=True)
+    def _gather_at_least(x, t, starts, out):  # pragma: no cover - compiled
+        n = x.size
+        for i in prange(starts.size):
+            k = starts[i]
+            for j in range(i * TILE, min(n, (i + 1) * TILE)):
+                if not abs(x[j]) < t:
+                    out[k] = j
+                    k += 1
+
+    @njit(cache=True)
+    def _scatter_add(idx, vals, out):  # pragma: no cover - compiled
+        for j in range(idx.size):
+            out[idx[j]] += vals[j]
+
+_rng = np.random.default_rng(12345)
+SAMPLE = 1 << 15
+
+
+def _candidates(x: np.ndarray, t: np.float32) -> np.ndarray:
+    """Indices (ascending, int64) of elements with ``not |x| < t``."""
+    if not HAVE_NUMBA:
+        with np.errstate(invalid="ignore"):
+            return np.flatnonzero(~(np.abs(x) < t))
+    counts = np.empty(-(-x.size // TILE), np.int64)
+    _count_at_least(x, t, counts)
+    starts = np.zeros_like(counts)
+    np.cumsum(counts[:-1], out=starts[1:])
+    out = np.empty(int(counts.sum()), np.int64)
+    _gather_at_least(x, t, starts, out)
+    return out
+
+
+def _exact(x: np.ndarray, cand: np.ndarray, k: int) -> np.ndarray:
+    """The ``k`` largest-|x| of the candidates, ties broken by lower index, ascending."""
+    mags = np.abs(x[cand]).astype(np.float64)
+    mags[np.isnan(mags)] = np.inf
+    if cand.size == k:
+        return cand
+    kth = np.partition(mags, cand.size - k)[cand.size - k]
+    above = mags > kth
+    need = k - int(above.sum())
+    tie = mags == kth
+    tie &= np.cumsum(tie) <= need
+    return cand[above | tie]
+
+
+def topk_indices(x: np.ndarray, k: int) -> np.ndarray:
+    """Indices of the ``k`` largest ``|x|`` (exactly ``k``; ascending; int64)."""
+    n = x.size
+    k = int(min(max(k, 0), n))
+    if k == n:
+        return np.arange(n, dtype=np.int64)
+    if k == 0:
+        return np.empty(0, np.int64)
+    if n <= 4 * SAMPLE:
+        return _exact(x, np.arange(n, dtype=np.int64), k)
+    sample = np.abs(x[_rng.integers(0, n, SAMPLE)])
+    sample[np.isnan(sample)] = np.inf
+    sample.sort()
+    want = 1.25 * k
+    for _ in range(8):
+        pos = SAMPLE - int(math.ceil(want * SAMPLE / n)) - 1
+        if pos <= 0:
+            break
+        cand = _candidates(x, np.float32(sample[pos]))
+        if cand.size >= k:
+            return _exact(x, cand, k)
+        want *= 2
+    return _exact(x, np.arange(n, dtype=np.int64), k)
+
+
+def scatter_add(idx: np.ndarray, vals: np.ndarray, out: np.ndarray) -> None:
+    """``out[idx[j]] += vals[j]`` in order of ``j`` (repeated indices add up)."""
+    if HAVE_NUMBA:
+        _scatter_add(idx, vals, out)
+    else:
+        np.add.at(out, idx, vals)
