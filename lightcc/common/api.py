@@ -138,8 +138,11 @@ def _start_extras(eng: Engine, cfg: config_mod.Config) -> None:
     if cfg.timeline:
         from . import timeline
 
-        timeline.start(eng, cfg.timeline, mark_cycles=True,
-                       all_ranks=bool(getattr(cfg, "timeline_all_ranks", False)))
+        try:
+            timeline.start(eng, cfg.timeline, mark_cycles=True,
+                           all_ranks=bool(getattr(cfg, "timeline_all_ranks", False)))
+        except OSError as exc:   # a bad path must not leave the other ranks waiting
+            log.error("LCC_TIMELINE=%s: cannot write the timeline: %s", cfg.timeline, exc)
     if cfg.autotune != "0":
         from . import autotune
 

@@ -133,6 +133,9 @@ KNOBS: tuple[Knob, ...] = (
          "Reduce GPU buckets on the host inside a node (for PCIe-only machines).", ),
     Knob("timeline", "LCC_TIMELINE", _parse_str, "", "path",
          "Write a Chrome/Perfetto trace of every collective to this file.", ),
+    Knob("timeline_all_ranks", "LCC_TIMELINE_ALL_RANKS", _parse_bool, False, "",
+         "Every rank writes its own timeline (rank N to PATH.rank<N>, rank 0 to PATH); "
+         "default: rank 0 only."),
     Knob("autotune", "LCC_AUTOTUNE", lambda t: t.strip().lower(), "0", "",
          "1 = tune fusion threshold, cycle time and algorithm online; refresh = ignore the "
          "cache and tune again.", _choice(AUTOTUNE_MODES)),
@@ -169,6 +172,7 @@ class Config:
     backend: str
     cpu_reduce: bool
     timeline: str
+    timeline_all_ranks: bool
     autotune: str
     autotune_log: str
     autotune_cache: str

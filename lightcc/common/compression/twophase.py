@@ -11,6 +11,7 @@ encoded size of a chunk of ``c`` elements and ``T = sum E(c_r)``; averaged over 
 """
 from __future__ import annotations
 
+import time
 from typing import Any, Protocol
 
 import numpy as np
@@ -48,22 +49,35 @@ class TwoPhaseCompressor:
         starts = displacements(counts)
         enc = [self.codec.nbytes(c) for c in counts]
         estarts = displacements(enc)
+        tracer = getattr(comm, "tracer", None)
+        trace = tracer is not None and tracer.enabled
+        track = f"link:{comm.name}"
+        t0 = time.perf_counter() if trace else 0.0
         send = np.empty(sum(enc), np.uint8)
         for r in range(p):
             self.codec.encode_into(buf[starts[r]:starts[r] + counts[r]],
                                    send[estarts[r]:estarts[r] + enc[r]])
+        if trace:
+            tracer.span(track, "COMPRESS", t0, time.perf_counter(), format=self.name)
         mine, c = enc[me], counts[me]
         recv = np.empty(mine * p, np.uint8)
         comm.alltoallv(send, enc, recv, [mine] * p)
+        t1 = time.perf_counter() if trace else 0.0
         acc = np.zeros(c, np.float32)
         for s in range(p):
             self.codec.decode_into(recv[s * mine:(s + 1) * mine], c, acc, True)
         own = np.empty(mine, np.uint8)
         self.codec.encode_into(acc, own)
+        if trace:
+            tracer.span(track, "DECOMPRESS_ACCUMULATE_RECOMPRESS", t1, time.perf_counter(),
+                        format=self.name)
         comm.allgatherv(own, send, enc)
+        t2 = time.perf_counter() if trace else 0.0
         for r in range(p):
             self.codec.decode_into(send[estarts[r]:estarts[r] + enc[r]], counts[r],
                                    buf[starts[r]:starts[r] + counts[r]], False)
+        if trace:
+            tracer.span(track, "DECOMPRESS", t2, time.perf_counter(), format=self.name)
 
     def rank_wire_bytes(self, numel: int, nranks: int, rank: int) -> int:
         """Bytes rank ``rank`` sends (alltoall to the others + allgather of its chunk)."""
