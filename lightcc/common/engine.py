@@ -205,6 +205,8 @@ class Engine:
         for info in list(self.psets.values()):
             if info.topo is not None and info.topo is not self.topo:
                 info.topo.free()
+            if info.topo is not None:
+                executor.release_agreement(info.topo.world)
         self.topo.free()
         self.ctx.fusion.release()
 
@@ -403,28 +405,50 @@ class Engine:
                     tracer.span(r.request.name, "QUEUE", e.submitted_at, e.sent_at)
                     tracer.span(r.request.name, "NEGOTIATE", e.sent_at, start)
         self._notify("bucket_start", responses=resps)
+        agreed = executor.needs_agreement(self.ctx, resps)
+        local_exc: Exception | None = None
+        failed: list[int] = []
         try:
-            if req.coll == Coll.ALLREDUCE:
-                results = executor.allreduce_bucket(self.ctx, resps, entries)
-            else:
-                results = [executor.execute_single(self.ctx, first, entries[0])]
-                if tracer.enabled:
-                    tracer.span(req.name, req.coll.name, start, time.perf_counter())
-        except Exception as exc:
-            err = CollectiveError(f"{req.describe()} failed on rank {self.rank}: {exc}")
-            err.__cause__ = exc
-            for e in entries:
-                if e is not None:
-                    e.handle._set(error=err)
-            return
+            if agreed:
+                executor.prepare_agreement(self.ctx)
+            try:
+                if req.coll == Coll.ALLREDUCE:
+                    results = executor.allreduce_bucket(self.ctx, resps, entries)
+                else:
+                    results = [executor.execute_single(self.ctx, first, entries[0])]
+                    if tracer.enabled:
+                        tracer.span(req.name, req.coll.name, start, time.perf_counter())
+            except Exception as exc:
+                local_exc = exc
+            if agreed:
+                failed = [info.ranks[i] for i in
+                          executor.agree(self.ctx, local_exc is not None, req.describe())]
         finally:
             self.ctx.topo = prev_topo
+        if local_exc is not None or failed:
+            self._fail_bucket(resps, entries, local_exc, failed)
+            return
         self._notify("bucket_done", responses=resps, seconds=time.perf_counter() - start)
         if req.coll == Coll.JOIN:
             self._joined = False
         for e, res in zip(entries, results):
             if e is not None:
                 e.handle._set(result=res)
+
+    def _fail_bucket(self, resps: list[Response], entries: list, exc: Exception | None,
+                     failed: list[int]) -> None:
+        """Fail every handle of a bucket that failed here or (agreed) on another rank."""
+        what = resps[0].request.describe()
+        if len(resps) > 1:
+            what += f" (bucket of {len(resps)} tensors)"
+        ranks = failed or [self.rank]
+        where = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranks}"
+        detail = f": {exc}" if exc is not None else " (see that rank's error for the cause)"
+        for e in entries:
+            if e is not None:
+                err = CollectiveError(f"{what} failed on {where}{detail}")
+                err.__cause__ = exc
+                e.handle._set(error=err)
 
     def _notify(self, event: str, **info: Any) -> None:
         for listener in self.listeners:
@@ -456,6 +480,7 @@ class Engine:
     def _remove_pset(self, pset_id: int) -> None:
         info = self.psets.pop(pset_id, None)
         if info is not None and info.topo is not None:
+            executor.release_agreement(info.topo.world)
             info.topo.free()
             info.topo.world.free()
 

@@ -7,20 +7,24 @@ returns the per-entry results; the engine completes the handles.
 """
 from __future__ import annotations
 
+import logging
 import math
+import threading
 from dataclasses import dataclass, field
 import time
 from typing import Any
 
 import numpy as np
 
-from . import algorithms, compression, dtypes
+from . import algorithms, compression, dtypes, faults
 from .backends.base import even_counts
 from .compression.base import BucketContext
 from .fusion import FusionBuffer
 from .messages import Coll, Response
 from .topology import Topology
 from .tracing import NULL, Tracer
+
+log = logging.getLogger("lightcc")
 
 
 @dataclass
@@ -87,7 +91,7 @@ def allreduce_bucket(ctx: ExecContext, resps: list[Response],
     floating = req.dtype in dtypes.FLOATING
     comp = None
     if floating and req.op in ("sum", "average") and total * 4 >= ctx.min_compress_bytes:
-        comp = ctx.compressor(req.compression)
+        comp = faults.wrap_compressor(ctx.compressor(req.compression))
     direct = (len(resps) == 1 and rdt == dtypes.SUPPORTED[req.dtype] and entries[0] is not None)
     if direct:
         entry = entries[0]
@@ -112,11 +116,19 @@ def allreduce_bucket(ctx: ExecContext, resps: list[Response],
         buf *= req.prescale
     offsets = [sum(sizes[:i]) for i in range(len(sizes))]
     bctx = BucketContext(tuple(r.request.name for r in resps), tuple(offsets), tuple(sizes),
-                         0, ctx.step)
+                         0, ctx.step, tuple(r.request.shape for r in resps))
     tracer = ctx.tracer
     t1 = time.perf_counter() if tracer.enabled else 0.0
+    if faults.enabled():
+        faults.check("algorithm", bctx.names, "early")
+        faults.check("backend", bctx.names, "early")
     used = algorithms.allreduce(buf, dtypes.backend_op(req.op, req.dtype), ctx.topo, comp, bctx,
                                 ctx.algorithm)
+    if faults.enabled():   # the bucket's communication is complete on this rank
+        if isinstance(comp, faults.FaultyCompressor):
+            comp.raise_deferred()
+        faults.check("algorithm", bctx.names)
+        faults.check("backend", bctx.names)
     _finish_scaling(buf, req.op, req.dtype, n, req.postscale)
     if tracer.enabled:
         t2 = time.perf_counter()
@@ -167,7 +179,9 @@ def allgather(ctx: ExecContext, resp: Response, entry: LocalEntry | None) -> Any
     out = np.empty((sum(firsts), *req.shape[1:]), dtype=dt)
     send = (np.ascontiguousarray(entry.array).reshape(-1) if entry is not None
             else np.empty(0, dtype=dt))
+    _fault("early", req.name)
     ctx.topo.world.allgatherv(send, out.reshape(-1), [f * row for f in firsts])
+    _fault("end", req.name)
     return out
 
 
@@ -179,7 +193,9 @@ def broadcast(ctx: ExecContext, resp: Response, entry: LocalEntry) -> Any:
             np.copyto(buf, entry.array)
     else:
         buf = np.array(entry.array, order="C", copy=True)
+    _fault("early", req.name)
     ctx.topo.world.bcast(buf.reshape(-1), req.root)
+    _fault("end", req.name)
     if entry.out is not None and entry.out is not buf:
         entry.out[...] = buf
         return entry.out
@@ -196,8 +212,10 @@ def alltoall(ctx: ExecContext, resp: Response, entry: LocalEntry) -> tuple[Any, 
     dt = dtypes.SUPPORTED[req.dtype]
     out = np.empty((sum(recv_rows), *req.shape[1:]), dtype=dt)
     send = np.ascontiguousarray(entry.array).reshape(-1)
+    _fault("early", req.name)
     ctx.topo.world.alltoallv(send, [r * row for r in send_rows], out.reshape(-1),
                              [r * row for r in recv_rows])
+    _fault("end", req.name)
     return out, np.asarray(recv_rows, dtype=np.int32)
 
 
@@ -212,8 +230,10 @@ def reducescatter(ctx: ExecContext, resp: Response, entry: LocalEntry) -> Any:
     if req.dtype in dtypes.FLOATING and req.prescale != 1.0:
         send = send * req.prescale
     recv = np.empty(rows[me] * row, dtype=rdt)
+    _fault("early", req.name)
     ctx.topo.world.reduce_scatterv(send, recv, [r * row for r in rows],
                                    dtypes.backend_op(req.op, req.dtype))
+    _fault("end", req.name)
     _finish_scaling(recv, req.op, req.dtype, n, req.postscale)
     return recv.reshape((rows[me], *req.shape[1:])).astype(dtypes.SUPPORTED[req.dtype], copy=False)
 
@@ -234,3 +254,99 @@ def execute_single(ctx: ExecContext, resp: Response, entry: LocalEntry | None) -
     if coll in (Coll.JOIN, Coll.ADD_PSET):
         return resp.value
     raise AssertionError(f"unexpected collective {coll!r}")
+
+
+# ---- fault injection hooks and the per-bucket error agreement -------------------------------
+def _fault(mode: str, name: str) -> None:
+    if faults.enabled():
+        faults.check("backend", (name,), mode)
+
+
+_AGREED = (Coll.ALLREDUCE, Coll.ALLGATHER, Coll.BROADCAST, Coll.ALLTOALL, Coll.REDUCESCATTER)
+
+
+def needs_agreement(ctx: ExecContext, resps: list[Response]) -> bool:
+    """Whether the ranks must agree on this bucket's success after executing it.
+
+    Only where a rank can fail alone after the communication: a compressor or a non-flat
+    algorithm is used (their Python code may raise on one rank), or fault injection is on.
+    Depends only on values equal on every rank (the bucket, the algorithm setting, the
+    topology, ``LCC_MIN_COMPRESS_BYTES``), so all ranks decide alike.
+    """
+    req = resps[0].request
+    if req.coll not in _AGREED:
+        return False
+    if faults.enabled():
+        return True
+    if req.coll != Coll.ALLREDUCE:
+        return False
+    total = sum(_prod(r.request.shape) for r in resps)
+    if (req.compression not in ("", "none") and req.dtype in dtypes.FLOATING
+            and req.op in ("sum", "average") and total * 4 >= ctx.min_compress_bytes):
+        return True
+    if ctx.algorithm == "flat":
+        return False
+    nbytes = total * np.dtype(dtypes.reduce_dtype(req.dtype)).itemsize
+    try:
+        return algorithms.choose(ctx.algorithm, nbytes, ctx.topo) != "flat"
+    except Exception:       # an unknown algorithm fails on every rank alike: agree anyway
+        return True
+
+
+def prepare_agreement(ctx: ExecContext) -> None:
+    """Give the bucket's MPI communicator a duplicate for status agreements (collective; the
+    engine calls it on every rank before executing the bucket). A separate communicator
+    keeps a rank that failed early from matching its peers' data collectives."""
+    world = ctx.topo.world
+    if getattr(world, "_lcc_agreement", None) is None and hasattr(getattr(world, "comm", None),
+                                                                   "Iallreduce"):
+        world._lcc_agreement = world.comm.Dup()
+
+
+def release_agreement(world: Any) -> None:
+    """Free the duplicate made by :func:`prepare_agreement`, if any (with the communicator)."""
+    comm = getattr(world, "_lcc_agreement", None)
+    if comm is not None:
+        world._lcc_agreement = None
+        from mpi4py import MPI
+
+        if not MPI.Is_finalized():
+            comm.Free()
+
+
+def agree(ctx: ExecContext, failed: bool, what: str) -> list[int]:
+    """Ranks of ``ctx.topo.world`` on which the bucket failed (a max-allreduce of one flag
+    byte per rank, on a duplicate of the bucket's communicator, after its communication has
+    completed).
+
+    A rank that failed waits at most ``faults.agreement_timeout()`` seconds for its peers:
+    if they never arrive, it raised in the middle of the communication and they are blocked
+    inside MPI for good, so it aborts the job (the launcher then names this rank) instead of
+    leaving it hung.
+    """
+    world = ctx.topo.world
+    flags = np.zeros(world.size, np.uint8)
+    flags[world.rank] = 1 if failed else 0
+    comm = getattr(world, "_lcc_agreement", None)
+    if comm is None:
+        world.allreduce(flags, "max")     # device backends: blocking, no deadline
+        return [int(i) for i in np.flatnonzero(flags)]
+    from mpi4py import MPI
+
+    watchdog = None
+    if failed:        # the peers may never come: abort rather than hang (see docstring)
+        def abort() -> None:
+            log.critical("%s failed on this rank in the middle of its communication; the "
+                         "other ranks are blocked inside MPI and cannot recover: aborting "
+                         "the job", what)
+            MPI.COMM_WORLD.Abort(70)
+
+        watchdog = threading.Timer(faults.agreement_timeout(), abort)
+        watchdog.daemon = True
+        watchdog.start()
+    try:
+        comm.Allreduce(MPI.IN_PLACE, [flags, MPI.UNSIGNED_CHAR], op=MPI.MAX)
+    finally:
+        if watchdog is not None:
+            watchdog.cancel()
+    return [int(i) for i in np.flatnonzero(flags)]

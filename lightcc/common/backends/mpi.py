@@ -19,6 +19,9 @@ from ..tracing import NULL
 from .base import WireStats, displacements
 
 MAX_CHUNK_ELEMS = 1 << 30  # elements per reduction call; keeps MPI int counts in range
+MAX_CHUNK_BYTES = 1 << 30  # bytes per data-movement call on the large-message paths
+INT_LIMIT = (1 << 31) - 1  # MPI-3 counts and displacements are C ints
+_LARGE_TAG = 7203          # point-to-point tag of the large alltoallv path
 
 
 def _mpi():
@@ -105,8 +108,12 @@ class MPICommunicator:
         MPI = _mpi()
         mtype = self._mpi_type(sendbuf.dtype)
         counts = [int(c) for c in counts]
-        self.comm.Reduce_scatter([sendbuf.reshape(-1), mtype], [recvbuf.reshape(-1), mtype],
-                                 counts, op=getattr(MPI, _OPS[op]))
+        if sum(counts) > INT_LIMIT:
+            self._reduce_scatterv_large(sendbuf.reshape(-1), recvbuf.reshape(-1), counts,
+                                        mtype, getattr(MPI, _OPS[op]))
+        else:
+            self.comm.Reduce_scatter([sendbuf.reshape(-1), mtype], [recvbuf.reshape(-1), mtype],
+                                     counts, op=getattr(MPI, _OPS[op]))
         item = sendbuf.dtype.itemsize
         sent = (sum(counts) - counts[self.rank]) * item
         recv = counts[self.rank] * (self.size - 1) * item
@@ -119,8 +126,11 @@ class MPICommunicator:
         MPI = _mpi()
         item = sendbuf.dtype.itemsize
         bcounts = [int(c) * item for c in counts]
-        self.comm.Allgatherv([_as_bytes(sendbuf), MPI.BYTE],
-                             [_as_bytes(recvbuf), bcounts, displacements(bcounts), MPI.BYTE])
+        if sum(bcounts) > INT_LIMIT:
+            self._allgatherv_large(_as_bytes(sendbuf), _as_bytes(recvbuf), bcounts)
+        else:
+            self.comm.Allgatherv([_as_bytes(sendbuf), MPI.BYTE],
+                                 [_as_bytes(recvbuf), bcounts, displacements(bcounts), MPI.BYTE])
         mine = bcounts[self.rank]
         self.stats.add("allgather", mine * (self.size - 1), sum(bcounts) - mine)
 
@@ -131,17 +141,71 @@ class MPICommunicator:
         item = sendbuf.dtype.itemsize
         sc = [int(c) * item for c in sendcounts]
         rc = [int(c) * item for c in recvcounts]
-        self.comm.Alltoallv([_as_bytes(sendbuf), sc, displacements(sc), MPI.BYTE],
-                            [_as_bytes(recvbuf), rc, displacements(rc), MPI.BYTE])
+        if max(sum(sc), sum(rc)) > INT_LIMIT:
+            self._alltoallv_large(_as_bytes(sendbuf), sc, _as_bytes(recvbuf), rc)
+        else:
+            self.comm.Alltoallv([_as_bytes(sendbuf), sc, displacements(sc), MPI.BYTE],
+                                [_as_bytes(recvbuf), rc, displacements(rc), MPI.BYTE])
         self.stats.add("alltoall", sum(sc) - sc[self.rank], sum(rc) - rc[self.rank])
 
     @_timed("broadcast")
     def bcast(self, buf: np.ndarray, root: int) -> None:
-        MPI = _mpi()
-        self.comm.Bcast([_as_bytes(buf), MPI.BYTE], root=root)
+        self._bcast_bytes(_as_bytes(buf), root)
         n = buf.nbytes
         self.stats.add("broadcast", n * (self.size - 1) if self.rank == root else 0,
                        0 if self.rank == root else n)
+
+    # -- large messages (more than INT_LIMIT bytes / elements in one call) -------------------
+    def _bcast_bytes(self, data: np.ndarray, root: int) -> None:
+        """Bcast a byte buffer in calls of at most MAX_CHUNK_BYTES (one call when small)."""
+        MPI = _mpi()
+        for start in range(0, data.size, MAX_CHUNK_BYTES) or (0,):
+            self.comm.Bcast([data[start:start + MAX_CHUNK_BYTES], MPI.BYTE], root=root)
+
+    def _allgatherv_large(self, send: np.ndarray, recv: np.ndarray, bcounts: list[int]) -> None:
+        """Allgatherv whose total exceeds INT_LIMIT bytes: one chunked bcast per rank's block
+        (bandwidth-optimal for blocks this large; no int displacement needed)."""
+        displs = displacements(bcounts)
+        mine = recv[displs[self.rank]:displs[self.rank] + bcounts[self.rank]]
+        mine[...] = send[:bcounts[self.rank]]
+        for root in range(self.size):
+            if bcounts[root]:
+                self._bcast_bytes(recv[displs[root]:displs[root] + bcounts[root]], root)
+
+    def _alltoallv_large(self, send: np.ndarray, sc: list[int], recv: np.ndarray,
+                         rc: list[int]) -> None:
+        """Alltoallv with more than INT_LIMIT bytes: chunked non-blocking point-to-point."""
+        MPI = _mpi()
+        sd, rd = displacements(sc), displacements(rc)
+        recv[rd[self.rank]:rd[self.rank] + rc[self.rank]] = send[sd[self.rank]:
+                                                                 sd[self.rank] + sc[self.rank]]
+        reqs = []
+        for peer in range(self.size):
+            if peer == self.rank:
+                continue
+            for start in range(0, rc[peer], MAX_CHUNK_BYTES):
+                part = recv[rd[peer] + start:rd[peer] + min(rc[peer], start + MAX_CHUNK_BYTES)]
+                reqs.append(self.comm.Irecv([part, MPI.BYTE], source=peer, tag=_LARGE_TAG))
+            for start in range(0, sc[peer], MAX_CHUNK_BYTES):
+                part = send[sd[peer] + start:sd[peer] + min(sc[peer], start + MAX_CHUNK_BYTES)]
+                reqs.append(self.comm.Isend([part, MPI.BYTE], dest=peer, tag=_LARGE_TAG))
+        MPI.Request.Waitall(reqs)
+
+    def _reduce_scatterv_large(self, send: np.ndarray, recv: np.ndarray, counts: list[int],
+                               mtype: Any, mop: Any) -> None:
+        """Reduce_scatter of more than INT_LIMIT elements: chunked Reduce to each block's
+        owner (counts stay below MAX_CHUNK_ELEMS per call)."""
+        MPI = _mpi()
+        displs = displacements(counts)
+        for root in range(self.size):
+            for start in range(0, counts[root], MAX_CHUNK_ELEMS):
+                stop = min(counts[root], start + MAX_CHUNK_ELEMS)
+                part = send[displs[root] + start:displs[root] + stop]
+                if self.rank == root:
+                    self.comm.Reduce([part, mtype], [recv[start:stop], mtype], op=mop,
+                                     root=root)
+                else:
+                    self.comm.Reduce([part, mtype], None, op=mop, root=root)
 
     def isend(self, buf: np.ndarray, dest: int, tag: int = 0) -> _Req:
         MPI = _mpi()
