@@ -121,13 +121,25 @@ def _apply_algorithm_settings(cfg: config_mod.Config) -> None:
                               hierarchical_bytes=cfg.auto_multinode_bytes,
                               multi_node=cfg.auto_multi_node)
     ring.CHUNK_BYTES = cfg.ring_chunk_bytes
+    from .compression import memory
+
+    memory.TTL_STEPS = cfg.ef_ttl_steps
+
+
+_added_sets: list["ProcessSet"] = []
 
 
 def shutdown() -> None:
-    """Stop the background thread; pending collectives fail with ``ShutdownError``."""
+    """Stop the background thread; pending collectives fail with ``ShutdownError``.
+
+    Process sets added since ``init()`` become unusable (their ids belong to this runtime).
+    """
     global _engine
     with _lock:
         eng, _engine = _engine, None
+        for ps in _added_sets:
+            ps.process_set_id = None
+        _added_sets.clear()
     if eng is not None:
         _stop_extras(eng)
         eng.shutdown(eng.config.shutdown_timeout)
@@ -330,6 +342,20 @@ def _scales(pre: float, post: float, dtype: str, what: str) -> tuple[float, floa
 _VALID_SPECS: set[str] = {"none"}
 
 
+def _check_out(out: Any, arr: np.ndarray, what: str) -> None:
+    """``out`` must be a writeable array of the input's shape and dtype (checked before
+    anything is sent, so a bad ``out`` on one rank cannot leave the others waiting)."""
+    if out is None:
+        return
+    if not isinstance(out, np.ndarray):
+        raise InvalidArgumentError(f"{what}: out must be a NumPy array, got {type(out).__name__}")
+    if out.shape != arr.shape or out.dtype != arr.dtype:
+        raise InvalidArgumentError(f"{what}: out has shape {out.shape} {out.dtype}, input "
+                                   f"{arr.shape} {arr.dtype}")
+    if not out.flags.writeable:
+        raise InvalidArgumentError(f"{what}: out is read-only")
+
+
 def _compression_spec(compression: Any) -> str:
     if compression is None:
         return "none"
@@ -367,9 +393,7 @@ def allreduce_async(array: Any, op: str | None = None, name: str | None = None,
     what = f"allreduce '{nm}'"
     op_ = _op(op, Average, what, dt)
     pre, post = _scales(prescale_factor, postscale_factor, dt, what)
-    if out is not None and (out.shape != arr.shape or out.dtype != arr.dtype):
-        raise InvalidArgumentError(f"{what}: out has shape {out.shape} {out.dtype}, input "
-                                   f"{arr.shape} {arr.dtype}")
+    _check_out(out, arr, what)
     req = Request(Coll.ALLREDUCE, nm, dt, tuple(arr.shape), op_, -1, pre, post, (),
                   _compression_spec(compression), pset)
     return eng.submit(req, arr, out, wake=_wake)
@@ -445,9 +469,11 @@ def broadcast_async(array: Any, root_rank: int, name: str | None = None,
     pset = _pset_id(process_set)
     members = eng.pset(pset).ranks
     nm = _name(eng, Coll.BROADCAST, name, pset)
-    if not isinstance(root_rank, (int, np.integer)) or not 0 <= int(root_rank) < len(members):
+    if isinstance(root_rank, (bool, np.bool_)) or not isinstance(root_rank, (int, np.integer)) \
+            or not 0 <= int(root_rank) < len(members):
         raise InvalidArgumentError(f"broadcast '{nm}': root_rank {root_rank!r} is out of range "
                                    f"for a process set of {len(members)} ranks")
+    _check_out(out, arr, f"broadcast '{nm}'")
     return eng.submit(Request(Coll.BROADCAST, nm, dt, tuple(arr.shape), root=int(root_rank),
                               pset=pset), arr, out)
 
@@ -478,7 +504,10 @@ def alltoall_async(array: Any, splits: Sequence[int] | None = None, name: str | 
                                        f"divisible by {n} ranks; pass splits")
         split_list = (arr.shape[0] // n,) * n
     else:
-        split_list = tuple(int(s) for s in np.asarray(splits).reshape(-1))
+        raw = np.asarray(splits).reshape(-1)
+        if raw.dtype.kind not in "iu":
+            raise InvalidArgumentError(f"{what}: splits must be integers, got {raw.dtype}")
+        split_list = tuple(int(s) for s in raw)
         if len(split_list) != n:
             raise InvalidArgumentError(f"{what}: splits has {len(split_list)} entries, the "
                                        f"process set has {n} ranks")
@@ -551,6 +580,7 @@ def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:
                                    f"0..{eng.size - 1}")
     req = Request(Coll.ADD_PSET, f"add_process_set{list(ranks)}", splits=ranks)
     ps.process_set_id = int(synchronize(eng.submit(req)))
+    _added_sets.append(ps)
     return ps
 
 
@@ -564,6 +594,8 @@ def remove_process_set(process_set: ProcessSet) -> bool:
     synchronize(eng.submit(Request(Coll.REMOVE_PSET, f"remove_process_set.{pid}", root=pid)))
     if isinstance(process_set, ProcessSet):
         process_set.process_set_id = None
+        if process_set in _added_sets:
+            _added_sets.remove(process_set)
     return True
 
 
@@ -582,11 +614,20 @@ class _Derived:
         return self.fn(self.inner.wait(timeout))
 
 
+def _check_handle(handle: Any) -> None:
+    if not (isinstance(handle, (Handle, GroupHandle, _Derived))
+            or (hasattr(handle, "done") and hasattr(handle, "wait"))):
+        raise InvalidArgumentError(f"expected a handle returned by an *_async call, got "
+                                   f"{type(handle).__name__}")
+
+
 def poll(handle: Any) -> bool:
     """True when the collective behind ``handle`` has finished (never blocks)."""
+    _check_handle(handle)
     return handle.done()
 
 
 def synchronize(handle: Any) -> Any:
     """Wait for ``handle`` and return its result; raises the collective's error if it failed."""
+    _check_handle(handle)
     return handle.wait()

@@ -110,6 +110,9 @@ KNOBS: tuple[Knob, ...] = (
     Knob("compression", "LCC_COMPRESSION", _parse_str, "none", "",
          "Default compressor for DistributedOptimizer when none is given "
          "(none, fp16, bf16, fp8, fp8_e5m2, topk, powersgd).", _compression_ok),
+    Knob("ef_ttl_steps", "LCC_EF_TTL_STEPS", _parse_int, 10_000, "steps",
+         "Error-feedback residuals (TopK, PowerSGD) of a tensor unseen for this many engine "
+         "steps are dropped. 0 = keep until cleared.", _min(0)),
     Knob("min_compress_bytes", "LCC_MIN_COMPRESS_BYTES", _parse_int, 4096, "bytes",
          "Buckets smaller than this are sent uncompressed.", _min(0)),
     Knob("algorithm", "LCC_ALGORITHM", lambda t: t.strip().lower(), "auto", "",
@@ -162,6 +165,7 @@ class Config:
     log_level: str
     local_size: int
     compression: str
+    ef_ttl_steps: int
     min_compress_bytes: int
     algorithm: str
     auto_small_bytes: int

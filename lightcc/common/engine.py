@@ -208,6 +208,10 @@ class Engine:
             if info.topo is not None:
                 executor.release_agreement(info.topo.world)
         self.topo.free()
+        self.topo.world.free()
+        # the control communicator is not freed: a shutdown message to a coordinator that has
+        # already left may still be pending on it, and a freed context id can be reused by the
+        # next init()'s communicator, which would then receive that stale message
         self.ctx.fusion.release()
 
     # ---- engine thread -----------------------------------------------------------------------
@@ -459,6 +463,10 @@ class Engine:
             self.fusion_threshold = int(settings["fusion_threshold"])
         if "algorithm" in settings:
             self.ctx.algorithm = str(settings["algorithm"])
+        if "auto_thresholds" in settings:
+            from . import algorithms
+
+            algorithms.set_thresholds(**settings["auto_thresholds"])
         if self.coordinator is not None:
             if "cycle_time" in settings:
                 self.coordinator.cycle_time = float(settings["cycle_time"]) / 1000.0

@@ -90,7 +90,8 @@ def allreduce_bucket(ctx: ExecContext, resps: list[Response],
     total = sum(sizes)
     floating = req.dtype in dtypes.FLOATING
     comp = None
-    if floating and req.op in ("sum", "average") and total * 4 >= ctx.min_compress_bytes:
+    if floating and rdt == np.float32 and req.op in ("sum", "average") \
+            and total * 4 >= ctx.min_compress_bytes:
         comp = faults.wrap_compressor(ctx.compressor(req.compression))
     direct = (len(resps) == 1 and rdt == dtypes.SUPPORTED[req.dtype] and entries[0] is not None)
     if direct:
@@ -122,8 +123,15 @@ def allreduce_bucket(ctx: ExecContext, resps: list[Response],
     if faults.enabled():
         faults.check("algorithm", bctx.names, "early")
         faults.check("backend", bctx.names, "early")
+    nan_mask = None
+    if floating and req.op in ("min", "max"):
+        # MPI's MIN/MAX may drop a NaN depending on rank order; reduce a NaN mask alongside
+        nan_mask = np.isnan(buf).astype(np.uint8)
+        ctx.topo.world.allreduce(nan_mask, "max")
     used = algorithms.allreduce(buf, dtypes.backend_op(req.op, req.dtype), ctx.topo, comp, bctx,
                                 ctx.algorithm)
+    if nan_mask is not None and nan_mask.any():
+        buf[nan_mask.view(bool)] = np.nan
     if faults.enabled():   # the bucket's communication is complete on this rank
         if isinstance(comp, faults.FaultyCompressor):
             comp.raise_deferred()
@@ -230,9 +238,15 @@ def reducescatter(ctx: ExecContext, resp: Response, entry: LocalEntry) -> Any:
     if req.dtype in dtypes.FLOATING and req.prescale != 1.0:
         send = send * req.prescale
     recv = np.empty(rows[me] * row, dtype=rdt)
+    counts = [r * row for r in rows]
     _fault("early", req.name)
-    ctx.topo.world.reduce_scatterv(send, recv, [r * row for r in rows],
-                                   dtypes.backend_op(req.op, req.dtype))
+    mask = None
+    if req.dtype in dtypes.FLOATING and req.op in ("min", "max"):
+        mask = np.empty(counts[me], np.uint8)
+        ctx.topo.world.reduce_scatterv(np.isnan(send).astype(np.uint8), mask, counts, "max")
+    ctx.topo.world.reduce_scatterv(send, recv, counts, dtypes.backend_op(req.op, req.dtype))
+    if mask is not None and mask.any():
+        recv[mask.view(bool)] = np.nan
     _fault("end", req.name)
     _finish_scaling(recv, req.op, req.dtype, n, req.postscale)
     return recv.reshape((rows[me], *req.shape[1:])).astype(dtypes.SUPPORTED[req.dtype], copy=False)

@@ -40,9 +40,6 @@ def test_concurrent_threads_and_init_shutdown_cycles_with_process_sets(threads_o
     assert threads_output.count("threads ok") == 3, threads_output
 
 
-@pytest.mark.xfail(strict=True, reason="api.shutdown() keeps ProcessSet ids: a set added before "
-                   "a re-init silently runs on the new set with the same id (see "
-                   "docs/reliability.md, open issues)")
 def test_process_set_from_before_reinit_is_rejected(threads_output):
     assert "STALE-PSET-ACCEPTED" not in threads_output, threads_output
 
@@ -56,18 +53,14 @@ def test_bad_input_gives_result_or_clear_error_on_every_rank(badinput_output):
     assert badinput_output.count("badinput ok") == 3, badinput_output
 
 
-@pytest.mark.xfail(strict=True, reason="MPI MIN/MAX drop a NaN depending on rank order")
 def test_min_max_propagate_nan(badinput_output):
     assert "NAN-MINMAX" not in badinput_output, badinput_output
 
 
-@pytest.mark.xfail(strict=True, reason="PowerSGD keeps NaN in its residual / warm-start Q")
 def test_one_nan_step_does_not_poison_compressor_state(badinput_output):
     assert "NAN-STICKY" not in badinput_output, badinput_output
 
 
-@pytest.mark.xfail(strict=True, reason="error-feedback residuals of tensors that stop "
-                   "appearing are kept forever (ResidualMemory has no eviction)")
 def test_error_feedback_state_of_vanished_tensors_is_bounded(badinput_output):
     assert "EF-LEAK" not in badinput_output, badinput_output
 

@@ -236,7 +236,7 @@ def test_topk_and_powersgd_wire_formula():
     comp = compression.make("powersgd:2")
     rows, cols = matrix_shape(10_000)
     assert (rows, cols) == (100, 100)
-    assert comp.wire_bytes(10_000, 2) == 4 * 2 * rows + 4 * 2 * cols
+    assert comp.wire_bytes(10_000, 2) == 4 * 2 * rows + 4 * 2 * cols + 1  # + finiteness flag
     assert comp.wire_bytes(10, 2) == 40          # not worth it: plain allreduce
 
 

@@ -4,8 +4,9 @@ A lossy compressor adds the residual of each tensor to the bucket before compres
 what it did not send afterwards (Seide et al. 2014; Karimireddy et al. 2019, "EF-SGD").
 Residuals are keyed by **tensor name**, not by bucket, so they survive changes of the fusion
 plan; ``BucketContext`` (names/offsets/sizes, plus ``base`` for a slice) says which elements of
-the buffer belong to which tensor. Residuals live until :meth:`clear`; nothing is dropped
-automatically (a renamed or deleted parameter keeps its residual; call ``clear(names)``).
+the buffer belong to which tensor. A residual whose tensor has not been seen for
+:data:`TTL_STEPS` engine steps (batches) is dropped, so tensors that stop appearing do not hold
+memory forever (``LCC_EF_TTL_STEPS``; 0 keeps everything until :meth:`clear`).
 """
 from __future__ import annotations
 
@@ -15,6 +16,20 @@ from typing import Any, Iterable, Iterator
 import numpy as np
 
 from .base import BucketContext
+
+#: Engine steps (batches) after which an unseen tensor's state is dropped; set from
+#: ``LCC_EF_TTL_STEPS`` at ``init()``. 0 = never.
+TTL_STEPS = 10_000
+
+
+def expire(last_seen: dict[str, int], step: int) -> list[str]:
+    """Keys of ``last_seen`` not seen within :data:`TTL_STEPS` of ``step`` (removed from it)."""
+    if TTL_STEPS <= 0:
+        return []
+    stale = [k for k, seen in last_seen.items() if step - seen > TTL_STEPS]
+    for k in stale:
+        del last_seen[k]
+    return stale
 
 
 def segments(ctx: BucketContext, n: int) -> Iterator[tuple[str, int, int, int, int]]:
@@ -31,6 +46,7 @@ class ResidualMemory:
     """float32 residual per tensor name (full tensor size)."""
 
     residuals: dict[str, np.ndarray] = field(default_factory=dict)
+    last_seen: dict[str, int] = field(default_factory=dict)
 
     def add_to(self, buf: np.ndarray, ctx: BucketContext) -> None:
         """``buf += residual`` for every tensor in the buffer that has one."""
@@ -46,13 +62,18 @@ class ResidualMemory:
             if r is None or r.size != size:
                 r = self.residuals[name] = np.zeros(size, np.float32)
             r[tlo:tlo + hi - lo] = residual[lo:hi]
+            self.last_seen[name] = ctx.step
+        for name in expire(self.last_seen, ctx.step):
+            self.residuals.pop(name, None)
 
     def clear(self, names: Iterable[str] | None = None) -> None:
         """Forget the residuals of ``names`` (all when None)."""
         if names is None:
             self.residuals.clear()
+            self.last_seen.clear()
         for name in names or ():
             self.residuals.pop(name, None)
+            self.last_seen.pop(name, None)
 
     def state_dict(self) -> dict[str, Any]:
         return {name: r.copy() for name, r in self.residuals.items()}

@@ -28,7 +28,7 @@ from ..backends.base import Communicator
 from ..exceptions import ConfigError
 from . import register
 from .base import BucketContext
-from .memory import ResidualMemory, segments
+from .memory import ResidualMemory, expire, segments
 
 
 def matrix_shape(n: int) -> tuple[int, int]:
@@ -66,6 +66,7 @@ class PowerSGDCompressor:
         self.seed = int(seed)
         self.memory = ResidualMemory()
         self.qs: dict[str, np.ndarray] = {}
+        self.q_seen: dict[str, int] = {}
         self.name = f"powersgd:{self.rank}" + ("" if warm_start else ":nowarm") + \
             ("" if error_feedback else ":noef")
 
@@ -113,6 +114,13 @@ class PowerSGDCompressor:
         if not mats:
             comm.allreduce(buf, "sum")
             return
+        bad = np.array([0 if np.isfinite(buf).all() else 1], np.uint8)
+        comm.allreduce(bad, "max")
+        if bad[0]:
+            # a non-finite step (e.g. an fp16 overflow that GradScaler will skip) goes dense
+            # and leaves residuals and warm-start factors untouched, so it cannot poison them
+            comm.allreduce(buf, "sum")
+            return
         if self.error_feedback:
             self.memory.add_to(buf, ctx)
         plain = [p for p in parts if p.shape is None]
@@ -157,9 +165,13 @@ class PowerSGDCompressor:
             buf[part.lo:part.hi] = (p @ q.T).reshape(-1)[:part.hi - part.lo]
             if self.warm_start:
                 self.qs[key] = q.copy()
+                self.q_seen[key] = ctx.step
+        for key in expire(self.q_seen, ctx.step):
+            self.qs.pop(key, None)
 
     def wire_bytes(self, numel: int, nranks: int, ctx: BucketContext | None = None) -> int:
-        """Bytes one rank sends: two ring allreduces, of [P factors + uncompressed] and of Qs.
+        """Bytes one rank sends: a 1-byte finiteness check, then two ring allreduces, of
+        [P factors + uncompressed] and of Qs.
 
         Without ``ctx`` the buffer is taken as one tensor.
         """
@@ -177,7 +189,8 @@ class PowerSGDCompressor:
                 first, second = first + rows * r, second + cols * r
         if second == 0:
             return _allreduce_bytes(4 * numel, nranks)
-        return _allreduce_bytes(4 * first, nranks) + _allreduce_bytes(4 * second, nranks)
+        return (_allreduce_bytes(1, nranks) + _allreduce_bytes(4 * first, nranks)
+                + _allreduce_bytes(4 * second, nranks))
 
     def state_dict(self) -> dict[str, Any]:
         return {"residuals": self.memory.state_dict(),

@@ -158,6 +158,8 @@ for comp in available_compressors():
 # ---- per-name compressor state of tensors that stop appearing ---------------------------------
 from lightcc.common import api  # noqa: E402
 
+lcc.shutdown()
+lcc.init(ef_ttl_steps=10)            # residuals unseen for 10 engine steps are dropped
 for i in range(40):                  # 40 names, each seen once (a model that changes layers)
     lcc.allreduce(np.full(2048, 1.0, np.float32), name=f"gone.{i}", compression="topk:0.05")
 state = {spec: len(getattr(c, "memory").residuals) for spec, c in

@@ -1,0 +1,154 @@
+"""Model/optimizer state helpers: ``broadcast_parameters``, ``broadcast_optimizer_state``,
+``broadcast_object`` and ``allgather_object`` (Horovod's names and arguments).
+
+Objects travel pickled (cloudpickle when installed, so lambdas work) in uint8 tensors: one
+collective for the sizes, one for the bytes.
+"""
+from __future__ import annotations
+
+import collections
+import io
+import pickle
+from typing import Any, Iterable
+
+import numpy as np
+import torch
+
+from ..common.api import global_process_set
+from . import mpi_ops as _ops
+
+try:
+    import cloudpickle as _pickler
+except ImportError:  # pragma: no cover - cloudpickle ships with most torch installs
+    _pickler = pickle
+
+
+def broadcast_parameters(params: Any, root_rank: int) -> None:
+    """Copy ``root_rank``'s parameters into every rank's tensors, in place.
+
+    ``params`` is a ``model.state_dict()`` (dict, broadcast in sorted key order), a list of
+    ``(name, tensor)`` pairs (``model.named_parameters()``) or of tensors.
+    """
+    if isinstance(params, dict):
+        items = sorted(params.items())
+    elif isinstance(params, Iterable) and not isinstance(params, (str, torch.Tensor)):
+        items = [p if isinstance(p, tuple) else (None, p) for p in params]
+    else:
+        raise ValueError(f"invalid params of type: {type(params)}")
+    handles = [_ops.broadcast_async_(p, root_rank, name) for name, p in items]
+    for handle in handles:
+        _ops.synchronize(handle)
+
+
+def _dist_module() -> str:
+    from . import optimizer
+
+    return optimizer.__name__
+
+
+def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int,
+                              model: torch.nn.Module | None = None) -> None:
+    """Make every rank's optimizer state (tensors, scalars and options like ``lr``) equal
+    ``root_rank``'s. A fresh optimizer gets its state created first (one step on zero
+    gradients, without communication), so this works before the first ``step()``. Python
+    types of options and scalar state are kept (they travel pickled)."""
+    if isinstance(optimizer, torch.optim.LBFGS):
+        raise ValueError("cannot broadcast torch.optim.LBFGS state")
+    state_dict = optimizer.state_dict()
+    if len(state_dict["state"]) == 0:
+        _init_state(optimizer, model)
+        state_dict = optimizer.state_dict()
+    if len(state_dict["state"]) == 0:
+        return   # stateless optimizer (plain SGD): only the options below matter
+    tensors: list[tuple[str, torch.Tensor]] = []
+    scalars: dict[str, Any] = {}
+    setters: dict[str, Any] = {}
+    seen: dict[str, int] = collections.defaultdict(int)
+    for index, group in enumerate(state_dict["param_groups"]):
+        for key, value in group.items():
+            if key != "params":
+                scalars[f"{key}.{index}"] = value
+                setters[f"{key}.{index}"] = _option_setter(optimizer, index, key)
+        for pid in group["params"]:
+            for name, value in state_dict["state"].get(pid, {}).items():
+                seen[name] += 1
+                key = f"{name}.{seen[name]}"
+                if torch.is_tensor(value):
+                    tensors.append((key, value))
+                else:
+                    scalars[key] = value
+                    setters[key] = _state_setter(state_dict["state"][pid], name)
+    broadcast_parameters(tensors, root_rank)
+    for key, value in broadcast_object(scalars, root_rank, name="optimizer_state").items():
+        setters[key](value)
+
+
+def _init_state(optimizer: torch.optim.Optimizer, model: torch.nn.Module | None) -> None:
+    """Create the optimizer's state by stepping the wrapped optimizer on zero gradients."""
+    sparse = set()
+    if model is not None:
+        for m in model.modules():
+            if isinstance(m, torch.nn.Embedding) and m.sparse:
+                sparse.update(id(p) for p in m.parameters())
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p.requires_grad and p.grad is None:
+                p.grad = torch.zeros_like(p)
+                if isinstance(optimizer, torch.optim.SparseAdam) or id(p) in sparse:
+                    p.grad = p.grad.to_sparse()
+    inner = getattr(optimizer, "_opt", None) if type(optimizer).__module__ == _dist_module() \
+        else None
+    (inner if inner is not None else optimizer).step()
+
+
+def _option_setter(optimizer: torch.optim.Optimizer, index: int, key: str) -> Any:
+    def assign(value: Any) -> None:
+        optimizer.param_groups[index][key] = value
+    return assign
+
+
+def _state_setter(param_state: dict, name: str) -> Any:
+    def assign(value: Any) -> None:
+        param_state[name] = value
+    return assign
+
+
+def _dumps(obj: Any) -> torch.Tensor:
+    buf = io.BytesIO()
+    _pickler.dump(obj, buf)
+    return torch.from_numpy(np.frombuffer(buf.getvalue(), dtype=np.uint8).copy())
+
+
+def _loads(data: torch.Tensor) -> Any:
+    return _pickler.loads(data.numpy().tobytes())
+
+
+def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None,
+                     process_set: Any = global_process_set) -> Any:
+    """Return ``root_rank``'s ``obj`` on every rank (pickled; ``root_rank`` within the set).
+
+    The default name does not depend on ``obj``'s type (Horovod's does), so non-root ranks may
+    pass ``None``.
+    """
+    name = "broadcast_object" if name is None else name
+    is_root = _ops._pset_rank(process_set) == root_rank
+    payload = _dumps(obj) if is_root else None
+    size = torch.tensor([payload.numel() if is_root else 0], dtype=torch.int64)
+    _ops.broadcast_(size, root_rank, f"{name}.sz", process_set)
+    data = payload if is_root else torch.empty(int(size.item()), dtype=torch.uint8)
+    _ops.broadcast_(data, root_rank, f"{name}.t", process_set)
+    return obj if is_root else _loads(data)
+
+
+def allgather_object(obj: Any, name: str | None = None,
+                     process_set: Any = global_process_set) -> list[Any]:
+    """Every rank's ``obj``, as a list in rank order (pickled; types may differ by rank)."""
+    name = "allgather_object" if name is None else name
+    payload = _dumps(obj)
+    h_sizes = _ops.allgather_async(torch.tensor([payload.numel()], dtype=torch.int64),
+                                   f"{name}.sz", process_set)
+    h_data = _ops.allgather_async(payload, f"{name}.t", process_set)
+    sizes = _ops.synchronize(h_sizes).tolist()
+    data = _ops.synchronize(h_data)
+    offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(int)
+    return [_loads(data[offsets[i]:offsets[i + 1]]) for i in range(len(sizes))]

@@ -1,0 +1,29 @@
+"""lightcc.torch on real ``mpirun -np 2`` jobs: collectives, autograd, errors, optimizer.
+
+Two launches, each running many checks against references every rank computes itself from
+seeded per-rank inputs (see workers_torch/). A failing check aborts the whole job, so the test
+fails with the rank, the case and the difference.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch")
+
+from tests.mpi_harness import run_mpi  # noqa: E402
+
+W = Path(__file__).parent / "workers_torch"
+
+
+@pytest.mark.timeout(120)
+def test_collectives_autograd_errors_join_process_sets():
+    out = run_mpi(2, [str(W / "check_ops.py")], timeout=110).stdout
+    assert out.count("OK 16 cases") == 2, out[-4000:]
+
+
+@pytest.mark.timeout(120)
+def test_distributed_optimizer_broadcasts_and_sync_batch_norm():
+    out = run_mpi(2, [str(W / "check_train.py")], timeout=110).stdout
+    assert out.count("OK 14 cases") == 2, out[-4000:]
