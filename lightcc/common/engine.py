@@ -40,6 +40,7 @@ TAG_REQUEST = 7101
 TAG_BATCH = 7102
 IDLE_POLL_S = 0.02      # how often an idle engine looks for control messages
 MAX_BACKOFF_S = 0.001   # longest sleep between polls while waiting for other ranks
+DRIVER_SPIN_S = 0.002   # a thread blocked in synchronize() busy-polls this long first
 
 _ERROR_TYPES = {"mismatch": MismatchError, "stall": StallError, "shutdown": ShutdownError,
                 "join": MismatchError}
@@ -219,6 +220,7 @@ class Engine:
         """Make progress on the calling thread until ``handle`` completes (see Handle.wait)."""
         deadline = None if timeout is None else time.monotonic() + timeout
         spins = 0
+        spin_until = time.perf_counter() + DRIVER_SPIN_S
         self._driver_waiting += 1
         try:
             while not handle._event.is_set():
@@ -233,12 +235,12 @@ class Engine:
                         self._progress.release()
                     if progressed:
                         spins = 0
+                        spin_until = time.perf_counter() + DRIVER_SPIN_S
                         continue
+                    if time.perf_counter() < spin_until:
+                        continue   # busy-poll: a yield here costs more than the wait itself
                     spins += 1
-                    if spins < 64:
-                        time.sleep(0)
-                    else:
-                        handle._event.wait(min(MAX_BACKOFF_S, 2e-5 * 2 ** min(spins - 64, 10)))
+                    handle._event.wait(min(MAX_BACKOFF_S, 2e-5 * 2 ** min(spins, 10)))
                 else:
                     handle._event.wait(MAX_BACKOFF_S)
         finally:
@@ -285,8 +287,10 @@ class Engine:
                 e.handle._set(error=LightCCError(f"background thread failed: {exc!r}"))
 
     def _step(self) -> bool:
-        with self._lock:
-            new, self._queue = self._queue, []
+        new: list = []
+        if self._queue:   # unlocked peek; a request queued right after is seen next step
+            with self._lock:
+                new, self._queue = self._queue, []
         msg = RankMessage()
         now = time.perf_counter() if new else 0.0
         for entry, req in new:
