@@ -3,7 +3,9 @@
 :func:`plan` is pure: every rank runs it on the same batch and gets the same buckets.
 Allreduces with the same dtype, op, scale factors, compressor and process set share a
 bucket, in batch order, until the bucket would exceed the fusion threshold; a tensor larger
-than the threshold gets a bucket of its own (it is never truncated).
+than the threshold gets a bucket of its own (it is never truncated), and so does an
+uncompressed tensor of at least :data:`DIRECT_BYTES` (reduced in place, without copies).
+Compressed tensors are always fused, since compression acts per bucket.
 """
 from __future__ import annotations
 
@@ -29,6 +31,11 @@ def nbytes(resp: Response) -> int:
     return int(math.prod(req.shape)) * dtypes.itemsize(req.dtype)
 
 
+#: A tensor at least this large (bytes) is never fused: packing it would copy more than the
+#: saved call costs, and alone it is reduced in place.
+DIRECT_BYTES = 1 << 20
+
+
 def plan(responses: Sequence[Response], threshold: int) -> list[list[int]]:
     """Group response indices into buckets (see module docstring); order follows the batch."""
     buckets: list[list[int]] = []
@@ -36,6 +43,9 @@ def plan(responses: Sequence[Response], threshold: int) -> list[list[int]]:
     for i, resp in enumerate(responses):
         key = fusion_key(resp)
         size = nbytes(resp) if key is not None else 0
+        if key is not None and size >= DIRECT_BYTES and resp.request.compression == "none":
+            buckets.append([i])       # large and uncompressed: its own bucket, no copies
+            continue
         if key is not None and key in open_bucket:
             b, used = open_bucket[key]
             if used + size <= threshold:

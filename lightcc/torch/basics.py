@@ -40,8 +40,9 @@ def init(comm: Any = None, process_sets: Sequence[Any] | str | None = None,
             raise ValueError(f"process_sets must be a list of ProcessSet or 'dynamic', "
                              f"got {process_sets!r}")
         process_sets = None
-    for reset in _reset_hooks:
-        reset()
+    if not _api.is_initialized():      # a repeated init() keeps pending handles
+        for reset in _reset_hooks:
+            reset()
     _api.init(comm, process_sets, **overrides)
 
 

@@ -40,12 +40,6 @@ def broadcast_parameters(params: Any, root_rank: int) -> None:
         _ops.synchronize(handle)
 
 
-def _dist_module() -> str:
-    from . import optimizer
-
-    return optimizer.__name__
-
-
 def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int,
                               model: torch.nn.Module | None = None) -> None:
     """Make every rank's optimizer state (tensors, scalars and options like ``lr``) equal
@@ -96,9 +90,11 @@ def _init_state(optimizer: torch.optim.Optimizer, model: torch.nn.Module | None)
                 p.grad = torch.zeros_like(p)
                 if isinstance(optimizer, torch.optim.SparseAdam) or id(p) in sparse:
                     p.grad = p.grad.to_sparse()
-    inner = getattr(optimizer, "_opt", None) if type(optimizer).__module__ == _dist_module() \
-        else None
-    (inner if inner is not None else optimizer).step()
+    from .optimizer import _DistributedOptimizer
+
+    # A DistributedOptimizer's own step() would allreduce: step the wrapped one instead.
+    inner = optimizer._opt if isinstance(optimizer, _DistributedOptimizer) else optimizer
+    inner.step()
 
 
 def _option_setter(optimizer: torch.optim.Optimizer, index: int, key: str) -> Any:

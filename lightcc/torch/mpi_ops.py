@@ -21,7 +21,7 @@ from ..common.api import (Adasum, Average, Max, Min, ProcessSet, Product, Sum,
 from ..common.exceptions import HorovodInternalError, InvalidArgumentError
 from ..common.messages import Coll
 from . import basics
-from ._tensor import as_array, from_array, result_like, stage, to_device
+from ._tensor import from_array, result_like, stage, to_device
 from .compression import spec_of
 
 
@@ -334,7 +334,7 @@ from .autograd import (allgather, allreduce, alltoall, broadcast, grouped_allgat
 __all__ = [
     "Adasum", "Average", "HorovodInternalError", "Max", "Min", "ProcessSet", "Product", "Sum",
     "add_process_set", "allgather", "allgather_async", "allreduce", "allreduce_",
-    "allreduce_async", "allreduce_async_", "alltoall", "alltoall_async", "as_array", "barrier",
+    "allreduce_async", "allreduce_async_", "alltoall", "alltoall_async", "barrier",
     "broadcast", "broadcast_", "broadcast_async", "broadcast_async_", "global_process_set",
     "grouped_allgather", "grouped_allgather_async", "grouped_allreduce", "grouped_allreduce_",
     "grouped_allreduce_async", "grouped_allreduce_async_", "grouped_reducescatter",

@@ -12,7 +12,6 @@ optimizer.
 from __future__ import annotations
 
 import contextlib
-import logging
 import warnings
 from typing import Any, Iterator
 
@@ -26,7 +25,6 @@ from ._tensor import stage
 from .compression import Compression, spec_of
 from .functions import broadcast_object
 
-log = logging.getLogger("lightcc")
 _STATE_KEY = "lightcc_compression"     # compressor state inside state_dict()
 
 
