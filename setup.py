@@ -28,7 +28,7 @@ setup(
         "psutil>=5.9",                              # launcher: process-tree cleanup
     ],
     extras_require={
-        "torch": [TORCH],
+        "torch": [TORCH, "scikit-learn>=1.3"],  # scikit-learn: the examples' offline digits data
         "cuda": ["cupy-cuda13x>=13"],
         "autotune": ["optuna>=3.0"],
         "test": [TORCH, "pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6", "scikit-learn>=1.3",
