@@ -84,8 +84,8 @@ def main() -> None:
         x = np.random.default_rng(rank).random(max(1, nbytes // 4), dtype=np.float32)
         out = np.empty_like(x)
         res = {}
-        res["lightcc"] = timed(lambda: lcc.allreduce_async(x, op=lcc.Sum, name="bench",
-                                                           out=out).wait(), nbytes, budget, comm)
+        res["lightcc"] = timed(lambda: lcc.allreduce(x, op=lcc.Sum, name="bench", out=out),
+                               nbytes, budget, comm)
         res["mpi4py"] = timed(lambda: comm.Allreduce(x, out, op=MPI.SUM), nbytes, budget, comm)
         if dist is not None:
             t = torch.from_numpy(x.copy())

@@ -121,6 +121,9 @@ def _apply_algorithm_settings(cfg: config_mod.Config) -> None:
                               hierarchical_bytes=cfg.auto_multinode_bytes,
                               multi_node=cfg.auto_multi_node)
     ring.CHUNK_BYTES = cfg.ring_chunk_bytes
+    from .backends import mpi as mpi_backend
+
+    mpi_backend.ALLREDUCE_CHUNK_BYTES = cfg.mpi_chunk_bytes
     from .compression import memory
 
     memory.TTL_STEPS = cfg.ef_ttl_steps
@@ -401,10 +404,14 @@ def allreduce_async(array: Any, op: str | None = None, name: str | None = None,
 
 def allreduce(array: Any, op: str | None = None, name: str | None = None,
               prescale_factor: float = 1.0, postscale_factor: float = 1.0,
-              process_set: Any = None, compression: Any = None) -> np.ndarray:
-    """Reduce ``array`` over the process set and return the result (default op: Average)."""
+              process_set: Any = None, compression: Any = None,
+              out: np.ndarray | None = None) -> np.ndarray:
+    """Reduce ``array`` over the process set and return the result (default op: Average).
+
+    With ``out`` the result is written there (``out`` may be ``array``) and returned.
+    """
     return synchronize(allreduce_async(array, op, name, prescale_factor, postscale_factor,
-                                       process_set, compression, _wake=False))
+                                       process_set, compression, out, _wake=False))
 
 
 class GroupHandle:

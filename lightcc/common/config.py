@@ -128,6 +128,9 @@ KNOBS: tuple[Knob, ...] = (
          lambda v: "must be a concrete algorithm, not auto" if v == "auto" else _algorithm_ok(v)),
     Knob("ring_chunk_bytes", "LCC_RING_CHUNK_BYTES", _parse_int, 1 << 20, "bytes",
          "Pipeline chunk of the ring and 2d algorithms.", _min(1)),
+    Knob("mpi_chunk_bytes", "LCC_MPI_CHUNK_BYTES", _parse_int, 4 << 20, "bytes",
+         "The MPI backend's allreduce is issued in pieces of this size (Open MPI's large-message "
+         "algorithms were 3-4x slower here). 0 = one call.", _min(0)),
     Knob("num_links", "LCC_NUM_LINKS", _parse_int, 2, "",
          "Parallel TCP links per peer pair (Open MPI btl_tcp_links), set by lccrun.", _min(1)),
     Knob("backend", "LCC_BACKEND", lambda t: t.strip().lower(), "auto", "",
@@ -172,6 +175,7 @@ class Config:
     auto_multinode_bytes: int
     auto_multi_node: str
     ring_chunk_bytes: int
+    mpi_chunk_bytes: int
     num_links: int
     backend: str
     cpu_reduce: bool

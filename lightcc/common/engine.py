@@ -46,13 +46,40 @@ _ERROR_TYPES = {"mismatch": MismatchError, "stall": StallError, "shutdown": Shut
                 "join": MismatchError}
 
 
+class _Signal:
+    """A one-shot event, cheaper to create than ``threading.Event`` (one lock, no Condition);
+    a handle is created for every collective."""
+
+    __slots__ = ("_lock", "_set")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._lock.acquire()
+        self._set = False
+
+    def is_set(self) -> bool:
+        return self._set
+
+    def set(self) -> None:
+        if not self._set:
+            self._set = True
+            self._lock.release()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        if self._set:
+            return True
+        if self._lock.acquire(True, -1 if timeout is None else max(timeout, 0.0)):
+            self._lock.release()   # let every other waiter through too
+        return self._set
+
+
 class Handle:
     """The future of one submitted collective; see ``lightcc.poll`` / ``synchronize``."""
 
     __slots__ = ("_event", "_result", "_error", "request", "_callbacks", "_engine")
 
     def __init__(self, request: Request | None, engine: "Engine | None" = None) -> None:
-        self._event = threading.Event()
+        self._event = _Signal()
         self._result: Any = None
         self._error: BaseException | None = None
         self.request = request
@@ -241,8 +268,8 @@ class Engine:
                         continue   # busy-poll: a yield here costs more than the wait itself
                     spins += 1
                     handle._event.wait(min(MAX_BACKOFF_S, 2e-5 * 2 ** min(spins, 10)))
-                else:
-                    handle._event.wait(MAX_BACKOFF_S)
+                else:   # the engine thread is mid-step; it stands aside once it sees us
+                    handle._event.wait(2e-5)
         finally:
             self._driver_waiting -= 1
 
@@ -311,7 +338,7 @@ class Engine:
             for text in self.coordinator.warnings:
                 log.warning("%s", text)
             if batch is not None:
-                data = batch.encode()
+                data = batch.encode() if self.size > 1 else b""
                 for dest in range(1, self.size):
                     self._sends.append((self._ctrl.Isend([data, _byte()], dest, TAG_BATCH), data))
                 self._execute(batch)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import pickle
 from dataclasses import dataclass, field
 from enum import IntEnum
-from typing import Any
+from typing import Any, NamedTuple
 
 
 class Coll(IntEnum):
@@ -34,9 +34,12 @@ class Coll(IntEnum):
 COLL_NAMES = {c: c.name.lower() for c in Coll}
 
 
-@dataclass(frozen=True)
-class Request:
-    """One rank's request; ``key`` (type, process set, name) identifies it across ranks."""
+class Request(NamedTuple):
+    """One rank's request; ``key`` (type, process set, name) identifies it across ranks.
+
+    A named tuple rather than a dataclass: it is built, hashed (response-cache lookup) and
+    pickled on every collective, and tuples do all three several times faster.
+    """
 
     coll: Coll
     name: str
@@ -55,8 +58,7 @@ class Request:
         return (int(self.coll), self.pset, self.name)
 
     def to_tuple(self) -> tuple:
-        return (int(self.coll), self.name, self.dtype, self.shape, self.op, self.root,
-                self.prescale, self.postscale, self.splits, self.compression, self.pset)
+        return (int(self.coll), *self[1:])
 
     @classmethod
     def from_tuple(cls, t: tuple) -> "Request":
@@ -102,9 +104,7 @@ class Response:
 
 
 def _replace(req: Request, **changes: Any) -> Request:
-    data = {f: getattr(req, f) for f in req.__dataclass_fields__}
-    data.update(changes)
-    return Request(**data)
+    return req._replace(**changes)
 
 
 # ---- rank -> coordinator ------------------------------------------------------------------
