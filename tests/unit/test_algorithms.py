@@ -36,12 +36,13 @@ MB = 1 << 20
 @pytest.mark.parametrize("nranks,local,nbytes,want", [
     (1, 0, 100 * MB, "flat"),          # single rank
     (4, 4, 100 * MB, "flat"),          # one node
-    (4, 1, 100 * MB, "flat"),          # one rank per node
-    (4, 2, 100 * MB, "2d"),            # 2 x 2, large, host buffers
-    (8, 4, 1 * MB, "2d"),              # 2 x 4, medium
+    (4, 1, 100 * MB, "ring"),          # one rank per node: pipelined ring over the network
+    (4, 1, 128 * 1024, "flat"),        # ... unless below the multi-node threshold
+    (4, 2, 100 * MB, "flat"),          # 2 x 2, large, host buffers (Open MPI's han)
+    (8, 4, 1 * MB, "flat"),            # 2 x 4, medium
     (4, 2, 1024, "flat"),              # small: latency-bound
     (4, 2, 0, "flat"),                 # empty
-    (3, 2, 100 * MB, "2d"),            # uneven 2 + 1 -> leader scheme inside
+    (3, 2, 100 * MB, "flat"),          # uneven 2 + 1
     (4, 2, 128 * 1024, "flat"),        # between small and hierarchical thresholds
 ])
 def test_auto_choice(nranks, local, nbytes, want):

@@ -38,20 +38,24 @@ class AutoThresholds:
 
     - below ``small_bytes``: ``small`` (latency-bound; the native call is usually a C
       recursive doubling already);
-    - one node, or one rank on every node: ``flat`` — nothing topological to exploit;
+    - one node: ``flat`` — shared memory, nothing topological to exploit;
+    - one rank on every node, at or above ``hierarchical_bytes``: ``single_rank_nodes``
+      (``ring``: lightcc's pipelined ring keeps several chunks in flight and reached 93-95 %
+      of a 1 Gbit line where Open MPI's allreduce reached 56-68 %, docs/topology.md);
     - several nodes with several ranks each, at or above ``hierarchical_bytes``:
-      ``multi_node`` for host (MPI) buffers — ``2d``: lightcc's pipelined rings beat Open
-      MPI's native collectives on TCP in docs/topology.md's measurements — and
-      ``multi_node_device`` (``hierarchical``, native NCCL phases) for device buffers; only
-      1/L of the data per rank crosses the slow link, on L parallel connections. Below the
-      threshold ``flat``.
+      ``multi_node`` for host (MPI) buffers — ``flat``: with 4 MB pieces Open MPI 5's own
+      hierarchical component (han) beat lightcc's ``2d`` and ``hierarchical`` on 2 x 2
+      simulated hosts (1.41 vs 1.29 and 1.11 Gbit/s bus bandwidth at 64 MB) — and
+      ``multi_node_device`` (``hierarchical``, native NCCL phases) for device buffers.
+      Below the threshold ``flat``.
     """
 
     small_bytes: int = 64 * 1024
     small: str = "flat"
     hierarchical_bytes: int = 256 * 1024
-    multi_node: str = "2d"
+    multi_node: str = "flat"
     multi_node_device: str = "hierarchical"
+    single_rank_nodes: str = "ring"
 
 
 #: The thresholds ``auto`` uses now; replace with :func:`set_thresholds`.
@@ -64,7 +68,7 @@ def set_thresholds(**changes: Any) -> AutoThresholds:
     Must be called with the same values on every rank (the choice has to agree everywhere).
     """
     global THRESHOLDS
-    for key in ("small", "multi_node", "multi_node_device"):
+    for key in ("small", "multi_node", "multi_node_device", "single_rank_nodes"):
         if key in changes and changes[key] not in _REGISTRY:
             raise ValueError(f"{key}={changes[key]!r} is not an algorithm; "
                              f"known: {', '.join(sorted(_REGISTRY))}")
@@ -98,10 +102,10 @@ def choose(name: str, nbytes: int, topo: Topology,
     if nbytes < t.small_bytes:
         return t.small
     nodes = topo.num_nodes
-    if nodes == 1 or nodes == topo.size:
+    if nodes == 1 or nbytes < t.hierarchical_bytes:
         return "flat"
-    if nbytes < t.hierarchical_bytes:
-        return "flat"
+    if nodes == topo.size:
+        return t.single_rank_nodes
     return t.multi_node_device if getattr(topo.world, "is_device", False) else t.multi_node
 
 
