@@ -84,14 +84,7 @@ def handle_average_backwards_compatibility(op: Any, average: Any) -> Any:
     return Average
 
 
-def _pset_id(process_set: Any) -> int:
-    if process_set is None:
-        return 0
-    if isinstance(process_set, ProcessSet):
-        if process_set.process_set_id is None:
-            raise InvalidArgumentError("process set was not added with add_process_set()")
-        return process_set.process_set_id
-    return int(process_set)
+from ..common.api import _pset_id  # noqa: E402  (one definition, in the core)
 
 
 def _pset_size(process_set: Any) -> int:
