@@ -114,7 +114,8 @@ KNOBS: tuple[Knob, ...] = (
          "Error-feedback residuals (TopK, PowerSGD) of a tensor unseen for this many engine "
          "steps are dropped. 0 = keep until cleared.", _min(0)),
     Knob("min_compress_bytes", "LCC_MIN_COMPRESS_BYTES", _parse_int, 4096, "bytes",
-         "Buckets smaller than this are sent uncompressed.", _min(0)),
+         "Tensors smaller than this are sent uncompressed (decided per tensor, so fusion "
+         "never changes how a tensor is treated).", _min(0)),
     Knob("algorithm", "LCC_ALGORITHM", lambda t: t.strip().lower(), "auto", "",
          "Allreduce algorithm: auto, flat, ring, hierarchical, 2d, tree.", _algorithm_ok),
     Knob("auto_small_bytes", "LCC_AUTO_SMALL_BYTES", _parse_int, 64 * 1024, "bytes",

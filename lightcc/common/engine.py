@@ -396,7 +396,7 @@ class Engine:
         if self.ctx.tracer.enabled:
             self.ctx.tracer.instant("engine", "CYCLE", time.perf_counter(), step=self.ctx.step,
                                     responses=len(responses))
-        for bucket in fusion.plan(responses, self.fusion_threshold):
+        for bucket in fusion.plan(responses, self.fusion_threshold, self.ctx.min_compress_bytes):
             self._execute_bucket([responses[i] for i in bucket])
         self.ctx.step += 1
         if batch.shutdown:

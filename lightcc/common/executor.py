@@ -19,6 +19,7 @@ import numpy as np
 from . import algorithms, compression, dtypes, faults
 from .backends.base import even_counts
 from .compression.base import BucketContext
+from . import fusion
 from .fusion import FusionBuffer
 from .messages import Coll, Response
 from .topology import Topology
@@ -90,9 +91,9 @@ def allreduce_bucket(ctx: ExecContext, resps: list[Response],
     total = sum(sizes)
     floating = req.dtype in dtypes.FLOATING
     comp = None
-    if floating and rdt == np.float32 and req.op in ("sum", "average") \
-            and total * 4 >= ctx.min_compress_bytes:
-        comp = faults.wrap_compressor(ctx.compressor(req.compression))
+    spec = fusion.effective_compression(resps[0], ctx.min_compress_bytes)
+    if spec != "none":   # the same for every tensor of the bucket (it is in the fusion key)
+        comp = faults.wrap_compressor(ctx.compressor(spec))
     direct = (len(resps) == 1 and rdt == dtypes.SUPPORTED[req.dtype] and entries[0] is not None)
     if direct:
         entry = entries[0]

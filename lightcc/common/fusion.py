@@ -5,7 +5,8 @@ Allreduces with the same dtype, op, scale factors, compressor and process set sh
 bucket, in batch order, until the bucket would exceed the fusion threshold; a tensor larger
 than the threshold gets a bucket of its own (it is never truncated), and so does an
 uncompressed tensor of at least :data:`DIRECT_BYTES` (reduced in place, without copies).
-Compressed tensors are always fused, since compression acts per bucket.
+Compressed tensors are always fused, since compression acts per bucket. Whether a tensor is
+compressed is decided per tensor (:func:`effective_compression`), never by its bucket.
 """
 from __future__ import annotations
 
@@ -18,12 +19,26 @@ from . import dtypes
 from .messages import Coll, Response
 
 
-def fusion_key(resp: Response) -> tuple | None:
+def effective_compression(resp: Response, min_compress_bytes: int = 0) -> str:
+    """The compressor a tensor really gets: none for integer/bool tensors, for ops other than
+    Sum/Average, for float64 (compressors work on float32 buckets) and for tensors under
+    ``min_compress_bytes``. Decided per tensor, so a tensor's treatment does not depend on
+    which other tensors it happened to be fused with."""
+    req = resp.request
+    if (req.compression in ("", "none") or req.op not in ("sum", "average")
+            or req.dtype not in ("float32", "float16", "bfloat16")
+            or nbytes(resp) < min_compress_bytes):
+        return "none"
+    return req.compression
+
+
+def fusion_key(resp: Response, min_compress_bytes: int = 0) -> tuple | None:
     """What must be equal for two responses to share a bucket (None: never fused)."""
     req = resp.request
     if resp.error or req.coll != Coll.ALLREDUCE:
         return None
-    return (req.dtype, req.op, req.prescale, req.postscale, req.compression, req.pset)
+    return (req.dtype, req.op, req.prescale, req.postscale,
+            effective_compression(resp, min_compress_bytes), req.pset)
 
 
 def nbytes(resp: Response) -> int:
@@ -36,14 +51,15 @@ def nbytes(resp: Response) -> int:
 DIRECT_BYTES = 1 << 20
 
 
-def plan(responses: Sequence[Response], threshold: int) -> list[list[int]]:
+def plan(responses: Sequence[Response], threshold: int,
+         min_compress_bytes: int = 0) -> list[list[int]]:
     """Group response indices into buckets (see module docstring); order follows the batch."""
     buckets: list[list[int]] = []
     open_bucket: dict[tuple, tuple[int, int]] = {}  # key -> (bucket index, bytes so far)
     for i, resp in enumerate(responses):
-        key = fusion_key(resp)
+        key = fusion_key(resp, min_compress_bytes)
         size = nbytes(resp) if key is not None else 0
-        if key is not None and size >= DIRECT_BYTES and resp.request.compression == "none":
+        if key is not None and size >= DIRECT_BYTES and key[4] == "none":
             buckets.append([i])       # large and uncompressed: its own bucket, no copies
             continue
         if key is not None and key in open_bucket:
