@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ._threads import keeps_torch_threads
+
 try:  # numba is optional: the NumPy fallback below produces identical bits
     import numba
     from numba import njit, prange
@@ -205,6 +207,7 @@ def _encode_numpy(x: np.ndarray, bs: int, biases: np.ndarray, f: FloatFormat) ->
 # --------------------------------------------------------------------------------------------
 # public entry points
 # --------------------------------------------------------------------------------------------
+@keeps_torch_threads
 def block_amax(x: np.ndarray, bs: int) -> np.ndarray:
     """Largest finite |x| per block of ``bs`` elements (float32; 0 for an all-non-finite block)."""
     nb = max(1, -(-x.size // bs))
@@ -224,6 +227,7 @@ def block_amax(x: np.ndarray, bs: int) -> np.ndarray:
     return a.reshape(nb, bs).max(axis=1)
 
 
+@keeps_torch_threads
 def encode(x: np.ndarray, f: FloatFormat, exps: np.ndarray | None = None, bs: int | None = None,
            out: np.ndarray | None = None) -> np.ndarray:
     """Codes of ``x * 2**-exps[block]`` in format ``f`` (blocks of ``bs``; no scaling if None)."""
@@ -247,6 +251,7 @@ def encode(x: np.ndarray, f: FloatFormat, exps: np.ndarray | None = None, bs: in
     return out
 
 
+@keeps_torch_threads
 def decode(codes: np.ndarray, f: FloatFormat, scales: np.ndarray | None = None,
            bs: int | None = None, out: np.ndarray | None = None,
            accumulate: bool = False) -> np.ndarray:

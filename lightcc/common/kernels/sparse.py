@@ -13,6 +13,8 @@ import math
 
 import numpy as np
 
+from ._threads import keeps_torch_threads
+
 from .floatcast import HAVE_NUMBA, TILE
 
 if HAVE_NUMBA:
@@ -75,6 +77,7 @@ def _exact(x: np.ndarray, cand: np.ndarray, k: int) -> np.ndarray:
     return cand[above | tie]
 
 
+@keeps_torch_threads
 def topk_indices(x: np.ndarray, k: int) -> np.ndarray:
     """Indices of the ``k`` largest ``|x|`` (exactly ``k``; ascending; int64)."""
     n = x.size
@@ -100,6 +103,7 @@ def topk_indices(x: np.ndarray, k: int) -> np.ndarray:
     return _exact(x, np.arange(n, dtype=np.int64), k)
 
 
+@keeps_torch_threads
 def scatter_add(idx: np.ndarray, vals: np.ndarray, out: np.ndarray) -> None:
     """``out[idx[j]] += vals[j]`` in order of ``j`` (repeated indices add up)."""
     if HAVE_NUMBA:
