@@ -14,7 +14,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from . import dtypes
 from .cache import ResponseCache
 from .messages import COLL_NAMES, Batch, Coll, RankMessage, Request, Response
 
@@ -33,12 +32,6 @@ class _Pending:
 def _fmt_ranks(ranks) -> str:
     ranks = sorted(ranks)
     return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranks}"
-
-
-def _nbytes(req: Request) -> int:
-    if req.dtype not in dtypes.SUPPORTED:
-        return 0
-    return int(math.prod(req.shape)) * dtypes.itemsize(req.dtype)
 
 
 class Coordinator:
@@ -151,7 +144,7 @@ class Coordinator:
             req = next(iter(self.pending[k].reqs.values()))
             if req.coll != Coll.ALLREDUCE:
                 return True
-            nbytes += _nbytes(req)
+            nbytes += req.nbytes
         return nbytes >= self.fusion_threshold
 
     def _check_stall(self, key: tuple, entry: _Pending, missing: set[int], now: float,

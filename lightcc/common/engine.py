@@ -22,8 +22,6 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-
 from . import executor, fusion
 from .backends.mpi import MPICommunicator
 from .cache import ResponseCache

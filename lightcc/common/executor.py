@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from . import algorithms, compression, dtypes, faults
-from .backends.base import even_counts
+from .backends.base import displacements, even_counts
 from .compression.base import BucketContext
 from . import fusion
 from .fusion import FusionBuffer
@@ -71,9 +71,14 @@ def _scale_integer_average(buf: np.ndarray, n: int) -> None:
     np.copyto(buf, np.where(buf < 0, -quotient, quotient).astype(buf.dtype, copy=False))
 
 
+def _float_factor(op: str, n: int, postscale: float) -> float:
+    """What a floating-point sum is multiplied by at the end (average and postscale)."""
+    return postscale / n if op == "average" else postscale
+
+
 def _finish_scaling(buf: Any, op: str, dtype: str, n: int, postscale: float) -> None:
     if dtype in dtypes.FLOATING:
-        factor = postscale / n if op == "average" else postscale
+        factor = _float_factor(op, n, postscale)
         if factor != 1.0:
             buf *= factor
     elif op == "average" and dtype in dtypes.INTEGER:
@@ -116,7 +121,7 @@ def allreduce_bucket(ctx: ExecContext, resps: list[Response],
             offset += size
     if floating and req.prescale != 1.0:
         buf *= req.prescale
-    offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+    offsets = displacements(sizes)
     bctx = BucketContext(tuple(r.request.name for r in resps), tuple(offsets), tuple(sizes),
                          0, ctx.step, tuple(r.request.shape for r in resps))
     tracer = ctx.tracer
@@ -142,7 +147,7 @@ def allreduce_bucket(ctx: ExecContext, resps: list[Response],
     if direct or not floating:
         _finish_scaling(buf, req.op, req.dtype, n, req.postscale)
     else:   # fold the scaling into the copy back (one pass over memory instead of two)
-        factor = req.postscale / n if req.op == "average" else req.postscale
+        factor = _float_factor(req.op, n, req.postscale)
     if tracer.enabled:
         t2 = time.perf_counter()
         label = _bucket_label(resps)
@@ -184,7 +189,7 @@ def _trace_members(tracer: Tracer, resps: list[Response], start: float, end: flo
     label = _bucket_label(resps)
     for r in resps:
         tracer.span(r.request.name, "EXECUTE", start, end, bucket=label,
-                    bytes=int(_prod(r.request.shape) * dtypes.itemsize(r.request.dtype)))
+                    bytes=r.request.nbytes)
 
 
 def allgather(ctx: ExecContext, resp: Response, entry: LocalEntry | None) -> Any:

@@ -10,12 +10,10 @@ compressed is decided per tensor (:func:`effective_compression`), never by its b
 """
 from __future__ import annotations
 
-import math
 from typing import Any, Sequence
 
 import numpy as np
 
-from . import dtypes
 from .messages import Coll, Response
 
 
@@ -42,8 +40,7 @@ def fusion_key(resp: Response, min_compress_bytes: int = 0) -> tuple | None:
 
 
 def nbytes(resp: Response) -> int:
-    req = resp.request
-    return int(math.prod(req.shape)) * dtypes.itemsize(req.dtype)
+    return resp.request.nbytes
 
 
 #: A tensor at least this large (bytes) is never fused: packing it would copy more than the

@@ -11,10 +11,13 @@ steady-state round) and fast to encode, without a schema compiler.
 """
 from __future__ import annotations
 
+import math
 import pickle
 from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import Any, NamedTuple
+
+from . import dtypes
 
 
 class Coll(IntEnum):
@@ -66,6 +69,13 @@ class Request(NamedTuple):
 
     def describe(self) -> str:
         return f"{COLL_NAMES[self.coll]} '{self.name}'"
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the tensor (0 for requests without one: barrier, join, process sets)."""
+        if self.dtype not in dtypes.SUPPORTED:
+            return 0
+        return int(math.prod(self.shape)) * dtypes.itemsize(self.dtype)
 
 
 @dataclass(frozen=True)

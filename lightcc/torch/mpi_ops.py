@@ -18,7 +18,7 @@ import torch
 from ..common import api as _api
 from ..common.api import (Adasum, Average, Max, Min, ProcessSet, Product, Sum,
                           add_process_set, global_process_set, remove_process_set)
-from ..common.exceptions import HorovodInternalError, InvalidArgumentError
+from ..common.exceptions import HorovodInternalError
 from ..common.messages import Coll
 from . import basics
 from ._tensor import from_array, result_like, stage, to_device

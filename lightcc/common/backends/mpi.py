@@ -207,7 +207,6 @@ class MPICommunicator:
                                mtype: Any, mop: Any) -> None:
         """Reduce_scatter of more than INT_LIMIT elements: chunked Reduce to each block's
         owner (counts stay below MAX_CHUNK_ELEMS per call)."""
-        MPI = _mpi()
         displs = displacements(counts)
         for root in range(self.size):
             for start in range(0, counts[root], MAX_CHUNK_ELEMS):
