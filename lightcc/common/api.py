@@ -102,6 +102,9 @@ def init(comm: Any = None, process_sets: Sequence[ProcessSet] | None = None,
         _apply_algorithm_settings(cfg)
         hostnames = comm.allgather(MPI.Get_processor_name())
         _engine = Engine(cfg, comm, hostnames)
+        from .kernels import _threads
+
+        _threads.configure(cfg.codec_threads, hostnames.count(hostnames[_engine.rank]))
         _install_rank_prefix(_engine.rank)
         _start_extras(_engine, cfg)
         global_process_set.ranks = list(range(_engine.size))

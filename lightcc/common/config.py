@@ -113,6 +113,9 @@ KNOBS: tuple[Knob, ...] = (
     Knob("ef_ttl_steps", "LCC_EF_TTL_STEPS", _parse_int, 10_000, "steps",
          "Error-feedback residuals (TopK, PowerSGD) of a tensor unseen for this many engine "
          "steps are dropped. 0 = keep until cleared.", _min(0)),
+    Knob("codec_threads", "LCC_CODEC_THREADS", _parse_int, 0, "threads",
+         "Threads of each rank's compression kernels (numba). 0 = the usable cores divided by "
+         "the ranks on this host, so ranks sharing a machine do not oversubscribe it.", _min(0)),
     Knob("min_compress_bytes", "LCC_MIN_COMPRESS_BYTES", _parse_int, 4096, "bytes",
          "Tensors smaller than this are sent uncompressed (decided per tensor, so fusion "
          "never changes how a tensor is treated).", _min(0)),
@@ -171,6 +174,7 @@ class Config:
     local_size: int
     compression: str
     ef_ttl_steps: int
+    codec_threads: int
     min_compress_bytes: int
     algorithm: str
     auto_small_bytes: int

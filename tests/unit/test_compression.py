@@ -152,6 +152,27 @@ def test_topk_indices_exact(n, k):
     assert (np.abs(x[idx]) >= kth).all()
 
 
+def _topk_reference(x: np.ndarray, k: int) -> np.ndarray:
+    key = np.abs(x).astype(np.float64)
+    key[np.isnan(key)] = np.inf
+    return np.sort(np.argsort(-key, kind="stable")[:k])
+
+
+@pytest.mark.parametrize("nonzero", [0.002, 0.0099, 0.0101, 0.03, 0.2])
+@pytest.mark.parametrize("numba", [True, False])
+def test_topk_sparse_input_with_ties(nonzero, numba, monkeypatch):
+    """Mostly-zero input (ties at the sampled threshold): exact k, same as the reference."""
+    if not numba:
+        monkeypatch.setattr(sparse, "HAVE_NUMBA", False)
+    n, k = 400_000, 4000
+    x = np.zeros(n, np.float32)
+    where = RNG.choice(n, int(nonzero * n), replace=False)
+    x[where] = RNG.choice([2.0, -2.0, 1.0], where.size)
+    x[where[:3]] = [np.nan, np.inf, 3.0] if where.size > 3 else x[where[:3]]
+    idx = sparse.topk_indices(x, k)
+    np.testing.assert_array_equal(idx, _topk_reference(x, k))
+
+
 def test_topk_prefers_nonfinite_and_breaks_ties_by_index():
     x = np.ones(300_000, np.float32)
     x[[5, 7, 9]] = [np.nan, np.inf, -np.inf]

@@ -21,3 +21,39 @@ def test_kernels_keep_torch_thread_count():
         assert torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(before)
+
+
+def test_codec_threads_default_divides_cores_among_host_ranks(monkeypatch):
+    from lightcc.common.kernels import _threads
+
+    monkeypatch.setattr(_threads, "usable_cores", lambda: 8)
+    monkeypatch.setattr(_threads, "CODEC_THREADS", 0)
+    numba = pytest.importorskip("numba")
+    cap = numba.config.NUMBA_NUM_THREADS
+    assert _threads.configure(0, 4) == min(2, cap)
+    assert _threads.configure(0, 16) == 1          # never below one thread
+    assert _threads.configure(3, 4) == min(3, cap)  # an explicit value wins
+    assert _threads.configure(10 ** 6, 1) == cap    # capped by numba's pool
+
+
+def test_kernel_launch_uses_codec_threads(monkeypatch):
+    """numba's thread count is per calling thread: every launch applies CODEC_THREADS."""
+    import threading
+
+    numba = pytest.importorskip("numba")
+    if numba.config.NUMBA_NUM_THREADS < 2:
+        pytest.skip("numba pool has one thread")
+    from lightcc.common.kernels import _threads, floatcast as fc
+
+    monkeypatch.setattr(_threads, "CODEC_THREADS", 1)
+    seen = []
+
+    def launch():
+        numba.set_num_threads(numba.config.NUMBA_NUM_THREADS)
+        fc.encode(np.ones(1000, np.float32), fc.FP16)
+        seen.append(numba.get_num_threads())
+
+    t = threading.Thread(target=launch)
+    t.start()
+    t.join()
+    assert seen == [1]

@@ -8,6 +8,16 @@ the encoded chunks; **every** rank, the owner included, decodes the same bytes, 
 end bitwise identical. A rank sends ``T - E(c_me) + (n-1) E(c_me)`` bytes where ``E(c)`` is the
 encoded size of a chunk of ``c`` elements and ``T = sum E(c_r)``; averaged over ranks that is
 ``2 (n-1)/n * T`` = ``2 (n-1)/n * N * bytes_per_element`` plus scales.
+
+**Pipelined** (chunks above :data:`PIECE_BYTES` of fp32): every chunk is cut into ``K`` pieces
+(the same piece boundaries on every rank) and both phases run per piece over ``isend``/``irecv``
+instead of one ``alltoallv``/``allgatherv``. A rank encodes and sends piece ``j`` of every other
+rank's chunk while earlier pieces are on the wire; the owner sums piece ``j`` (rank order, fp32)
+as soon as all copies of it have arrived, re-encodes it and sends it on while later pieces are
+still arriving. Encoding, decoding and the slow link then overlap, so on a slow network the time
+approaches ``wire bytes / line rate`` instead of ``codec time + wire time``. The bytes on the
+wire and the per-piece arithmetic are those of the unpipelined scheme applied to each piece
+(for ``bucket``-scaled fp8 a piece carries its own scale).
 """
 from __future__ import annotations
 
@@ -18,6 +28,17 @@ import numpy as np
 
 from ..backends.base import Communicator, displacements, even_counts
 from .base import BucketContext
+
+#: fp32 bytes per piece of the pipelined scheme (chunks up to this size use the collective one).
+PIECE_BYTES = 1 << 20
+#: Upper bound on pieces per chunk (tags ``0 .. 2 * MAX_PIECES - 1`` are used).
+MAX_PIECES = 64
+
+
+def num_pieces(count: int, piece_bytes: int | None = None) -> int:
+    """Pieces per chunk for a largest chunk of ``count`` fp32 elements (same on every rank)."""
+    piece_bytes = PIECE_BYTES if piece_bytes is None else piece_bytes
+    return max(1, min(MAX_PIECES, -(-4 * int(count) // max(1, int(piece_bytes)))))
 
 
 class Codec(Protocol):
@@ -46,6 +67,10 @@ class TwoPhaseCompressor:
         if p == 1 or buf.size == 0:
             return
         counts = even_counts(buf.size, p)
+        k = num_pieces(max(counts))
+        if k > 1:
+            self._pipelined(comm, buf, counts, k)
+            return
         starts = displacements(counts)
         enc = [self.codec.nbytes(c) for c in counts]
         estarts = displacements(enc)
@@ -79,19 +104,109 @@ class TwoPhaseCompressor:
         if trace:
             tracer.span(track, "DECOMPRESS", t2, time.perf_counter(), format=self.name)
 
+    def _pipelined(self, comm: Communicator, buf: np.ndarray, counts: list[int], k: int) -> None:
+        """Both phases per piece over point-to-point calls (see module docstring)."""
+        p, me, codec = comm.size, comm.rank, self.codec
+        starts = displacements(counts)
+        sizes = [even_counts(c, k) for c in counts]
+        offs = [displacements(sz) for sz in sizes]
+        tracer = getattr(comm, "tracer", None)
+        trace = tracer is not None and tracer.enabled
+        track = f"link:{comm.name}"
+        t0 = time.perf_counter() if trace else 0.0
+
+        def piece(r: int, j: int) -> np.ndarray:
+            lo = starts[r] + offs[r][j]
+            return buf[lo:lo + sizes[r][j]]
+
+        def encoded(x: np.ndarray) -> np.ndarray:
+            out = np.empty(codec.nbytes(x.size), np.uint8)
+            codec.encode_into(x, out)
+            return out
+
+        others = [(me + d) % p for d in range(1, p)]
+        # every receive is posted up front: phase 1 copies of my pieces (tag j), phase 2 sums of
+        # the other ranks' pieces (tag k + j)
+        inbox: dict[tuple[int, int], np.ndarray] = {}
+        phase1: list[list] = [[] for _ in range(k)]
+        phase2: list[tuple[int, int, object]] = []
+        for j in range(k):
+            if sizes[me][j]:
+                for s in others:
+                    b = inbox[s, j] = np.empty(codec.nbytes(sizes[me][j]), np.uint8)
+                    phase1[j].append(comm.irecv(b, s, tag=j))
+            for r in others:
+                if sizes[r][j]:
+                    b = inbox[r, k + j] = np.empty(codec.nbytes(sizes[r][j]), np.uint8)
+                    phase2.append((r, j, comm.irecv(b, r, tag=k + j)))
+        sends: list = []
+        keep: list[np.ndarray] = []          # send buffers must live until their sends finish
+        own: list[np.ndarray | None] = [None] * k
+        done = 0                              # my pieces summed and sent so far
+
+        def finish_piece(j: int) -> None:
+            n = sizes[me][j]
+            if n:
+                acc = np.zeros(n, np.float32)
+                for s in range(p):
+                    codec.decode_into(own[j] if s == me else inbox[s, j], n, acc, True)
+                out = encoded(acc)
+                keep.append(out)
+                sends.extend(comm.isend(out, r, tag=k + j) for r in others)
+                codec.decode_into(out, n, piece(me, j), False)
+            own[j] = None
+
+        def ready(j: int) -> bool:
+            return all(req.test() for req in phase1[j])
+
+        for j in range(k):
+            for r in others:
+                if sizes[r][j]:
+                    e = encoded(piece(r, j))
+                    keep.append(e)
+                    sends.append(comm.isend(e, r, tag=j))
+            if sizes[me][j]:
+                own[j] = encoded(piece(me, j))
+            while done <= j and ready(done):
+                finish_piece(done)
+                done += 1
+        if trace:
+            tracer.span(track, "COMPRESS_SEND", t0, time.perf_counter(), format=self.name)
+        t1 = time.perf_counter() if trace else 0.0
+        while done < k:
+            for req in phase1[done]:
+                req.wait()
+            finish_piece(done)
+            done += 1
+        for r, j, req in phase2:
+            req.wait()
+            codec.decode_into(inbox[r, k + j], sizes[r][j], piece(r, j), False)
+        for req in sends:
+            req.wait()
+        if trace:
+            tracer.span(track, "PIPELINED_ACCUMULATE_DECOMPRESS", t1, time.perf_counter(),
+                        format=self.name, pieces=k)
+
     def rank_wire_bytes(self, numel: int, nranks: int, rank: int) -> int:
         """Bytes rank ``rank`` sends (alltoall to the others + allgather of its chunk)."""
         if nranks <= 1:
             return 0
-        enc = [self.codec.nbytes(c) for c in even_counts(numel, nranks)]
+        enc = self._encoded_chunks(numel, nranks)
         return sum(enc) - enc[rank] + (nranks - 1) * enc[rank]
 
     def wire_bytes(self, numel: int, nranks: int) -> int:
         """Mean bytes one rank sends: ``2 (n-1)/n * T`` (rounded down)."""
         if nranks <= 1:
             return 0
-        enc = [self.codec.nbytes(c) for c in even_counts(numel, nranks)]
-        return 2 * (nranks - 1) * sum(enc) // nranks
+        return 2 * (nranks - 1) * sum(self._encoded_chunks(numel, nranks)) // nranks
+
+    def _encoded_chunks(self, numel: int, nranks: int) -> list[int]:
+        """Encoded bytes of each rank's chunk (summed over its pieces when pipelined)."""
+        counts = even_counts(numel, nranks)
+        k = num_pieces(max(counts))
+        if k == 1:
+            return [self.codec.nbytes(c) for c in counts]
+        return [sum(self.codec.nbytes(x) for x in even_counts(c, k)) for c in counts]
 
     def state_dict(self) -> dict[str, Any]:
         return {}

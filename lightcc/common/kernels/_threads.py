@@ -6,14 +6,64 @@ launches. torch reads the same setting, so a training script that had called
 ``torch.set_num_threads(1)`` found torch running 2 threads after its first compressed
 allreduce, and its reductions stopped being reproducible. Every public kernel entry point
 restores torch's thread count after the launch (one cheap check when torch is not loaded).
+
+The same wrapper sizes numba's thread pool. By default numba starts one thread per core in
+*every* process, so with several ranks on one machine each rank's kernels ran as many threads
+as there are cores, on top of the other ranks' communication: on a 2-core machine the pipelined
+fp16 allreduce took 2.06 s for 64 MB instead of 0.29 s. ``init()`` calls :func:`configure`
+with ``LCC_CODEC_THREADS`` (0 = the usable cores divided by the ranks on this host), and every
+kernel launch uses that many threads (numba's setting is per calling thread, so it is applied
+at each launch; a cheap comparison when it is already right).
 """
 from __future__ import annotations
 
 import functools
+import os
 import sys
 from typing import Any, Callable, TypeVar
 
 F = TypeVar("F", bound=Callable[..., Any])
+
+#: Threads each kernel launch uses (0 = leave numba's own setting); see :func:`configure`.
+CODEC_THREADS = 0
+
+
+def usable_cores() -> int:
+    """Cores this process may run on (its affinity mask where the OS has one)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:   # pragma: no cover - not Linux
+        return os.cpu_count() or 1
+
+
+def configure(threads: int, ranks_on_host: int = 1) -> int:
+    """Set :data:`CODEC_THREADS`: ``threads``, or for 0 the usable cores / ``ranks_on_host``.
+
+    Capped by numba's pool size (``NUMBA_NUM_THREADS``). Returns the number chosen.
+    """
+    global CODEC_THREADS
+    if threads <= 0:
+        threads = max(1, usable_cores() // max(1, int(ranks_on_host)))
+    numba = _numba()
+    if numba is not None:
+        threads = min(int(threads), int(numba.config.NUMBA_NUM_THREADS))
+    CODEC_THREADS = int(threads)
+    return CODEC_THREADS
+
+
+def _numba() -> Any:
+    try:
+        import numba
+    except ImportError:   # pragma: no cover - numba is a dependency
+        return None
+    return numba
+
+
+def _size_pool() -> None:
+    if CODEC_THREADS > 0:
+        numba = sys.modules.get("numba")
+        if numba is not None and numba.get_num_threads() != CODEC_THREADS:
+            numba.set_num_threads(CODEC_THREADS)
 
 
 def keeps_torch_threads(fn: F) -> F:
@@ -21,6 +71,7 @@ def keeps_torch_threads(fn: F) -> F:
 
     @functools.wraps(fn)
     def inner(*args: Any, **kwargs: Any) -> Any:
+        _size_pool()
         torch = sys.modules.get("torch")
         if torch is None:
             return fn(*args, **kwargs)

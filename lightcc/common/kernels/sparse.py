@@ -21,13 +21,15 @@ if HAVE_NUMBA:
     from numba import njit, prange
 
     @njit(parallel=True, cache=True)
-    def _count_at_least(x, t, counts):  # pragma: no cover - compiled
+    def _count_tiles(x, t, strict, counts):  # pragma: no cover - compiled
+        """Per tile: elements with ``not |x| < t`` (``not |x| <= t`` if strict); NaN counts."""
         n = x.size
         for i in prange(counts.size):
             c = 0
             for j in range(i * TILE, min(n, (i + 1) * TILE)):
                 a = abs(x[j])
-                c += 0 if a < t else 1          # NaN counts (the comparison is False)
+                below = a <= t if strict else a < t
+                c += 0 if below else 1
             counts[i] = c
 
     @njit(parallel=True, cache=True)
@@ -39,6 +41,20 @@ if HAVE_NUMBA:
                 if not abs(x[j]) < t:
                     out[k] = j
                     k += 1
+
+    @njit(cache=True)
+    def _above_then_ties(x, t, ties, out):  # pragma: no cover - compiled
+        k = 0
+        for j in range(x.size):
+            a = abs(x[j])
+            if not a <= t:
+                out[k] = j
+                k += 1
+            elif a == t and ties > 0:
+                out[k] = j
+                k += 1
+                ties -= 1
+        return k
 
     @njit(cache=True)
     def _scatter_add(idx, vals, out):  # pragma: no cover - compiled
@@ -55,11 +71,34 @@ def _candidates(x: np.ndarray, t: np.float32) -> np.ndarray:
         with np.errstate(invalid="ignore"):
             return np.flatnonzero(~(np.abs(x) < t))
     counts = np.empty(-(-x.size // TILE), np.int64)
-    _count_at_least(x, t, counts)
+    _count_tiles(x, t, False, counts)
     starts = np.zeros_like(counts)
     np.cumsum(counts[:-1], out=starts[1:])
     out = np.empty(int(counts.sum()), np.int64)
     _gather_at_least(x, t, starts, out)
+    return out
+
+
+def _count_greater(x: np.ndarray, t: np.float32) -> int:
+    """How many elements have ``not |x| <= t`` (NaN included)."""
+    if not HAVE_NUMBA:
+        with np.errstate(invalid="ignore"):
+            return int(np.count_nonzero(~(np.abs(x) <= t)))
+    counts = np.empty(-(-x.size // TILE), np.int64)
+    _count_tiles(x, t, True, counts)
+    return int(counts.sum())
+
+
+def _with_ties(x: np.ndarray, t: np.float32, k: int, greater: int) -> np.ndarray:
+    """All ``greater`` elements with ``|x| > t`` plus the first ``k - greater`` with ``|x| == t``."""
+    if not HAVE_NUMBA:
+        with np.errstate(invalid="ignore"):
+            mag = np.abs(x)
+            tie = np.flatnonzero(mag == t)[:k - greater]
+            return np.union1d(np.flatnonzero(~(mag <= t)), tie).astype(np.int64)
+    out = np.empty(k, np.int64)
+    got = _above_then_ties(x, t, k - greater, out)
+    assert got == k, (got, k)
     return out
 
 
@@ -96,7 +135,16 @@ def topk_indices(x: np.ndarray, k: int) -> np.ndarray:
         pos = SAMPLE - int(math.ceil(want * SAMPLE / n)) - 1
         if pos <= 0:
             break
-        cand = _candidates(x, np.float32(sample[pos]))
+        t = np.float32(sample[pos])
+        cand = _candidates(x, t)
+        if cand.size > 8 * k:
+            # many elements tie at the threshold (e.g. zeros of a sparse gradient): if fewer
+            # than k lie strictly above it, the k-th largest magnitude is t itself
+            greater = _count_greater(x, t)
+            if greater < k:
+                return _with_ties(x, t, k, greater)
+            if greater <= 8 * k:
+                return _exact(x, _with_ties(x, t, greater, greater), k)
         if cand.size >= k:
             return _exact(x, cand, k)
         want *= 2

@@ -127,6 +127,27 @@ def test_fp() -> None:
                         bad = ~np.isfinite(sum(x.astype(np.float64) for x in xs))
                     if np.isfinite(buf[bad]).any():
                         fail(f"{what}: NaN/Inf in the input did not propagate")
+    # pipelined scheme (chunks above PIECE_BYTES): pieces quantized on their own, still bitwise
+    # equal to the simulation; 2 pieces, an uneven split, and the MAX_PIECES cap
+    from lightcc.common.compression import twophase
+    saved = twophase.PIECE_BYTES
+    twophase.PIECE_BYTES = 4096
+    try:
+        for spec, (fmt, scaling) in FP_SPECS.items():
+            comp = compression.make(spec)
+            block = int(spec.rsplit(":", 1)[1]) if scaling == "block" else 256
+            for kind, n in (("normal", P * 1024 + 1), ("normal", P * 3000 + 5),
+                            ("extreme", P * 2500), ("nonfinite", P * 1500),
+                            ("normal", P * 70_000)):
+                xs = inputs_for(kind, n, 3)
+                buf = xs[ME].copy()
+                sent = run(comp, buf, ctx_for(n))
+                what = f"pipelined {spec} {kind} n={n}"
+                bitwise_equal(buf, sim.twophase(xs, fmt, scaling, block, piece_bytes=4096), what)
+                same_on_all_ranks(buf, what)
+                check_bytes(comp, n, sent, what)
+    finally:
+        twophase.PIECE_BYTES = saved
     # fp16/bf16 are element-wise: fusing two tensors or not gives the same bits
     for spec in ("fp16", "bf16"):
         comp = compression.make(spec)

@@ -45,17 +45,25 @@ def quant_dequant(x: np.ndarray, fmt: str, scaling: str | None, block: int) -> n
 
 
 def twophase(inputs: list[np.ndarray], fmt: str, scaling: str | None = None,
-             block: int = 256) -> np.ndarray:
-    """Sum of ``inputs`` as reduce-scatter + allgather in the compressed format."""
+             block: int = 256, piece_bytes: int | None = None) -> np.ndarray:
+    """Sum of ``inputs`` as reduce-scatter + allgather in the compressed format.
+
+    With ``piece_bytes`` every rank's chunk is cut into ``ceil(4 * largest chunk / piece_bytes)``
+    (at most 64) pieces, each quantized on its own (the pipelined scheme).
+    """
     p = len(inputs)
+    k = 1
+    if piece_bytes:
+        k = max(1, min(64, -(-4 * -(-inputs[0].size // p) // piece_bytes)))
     out = []
     for r, _ in enumerate(np.array_split(inputs[0], p)):
-        chunks = [np.array_split(x, p)[r] for x in inputs]
-        acc = np.zeros(chunks[0].size, np.float32)
-        for c in chunks:
-            with np.errstate(invalid="ignore", over="ignore"):
-                acc = (acc + quant_dequant(c, fmt, scaling, block)).astype(np.float32)
-        out.append(quant_dequant(acc, fmt, scaling, block))
+        for j in range(k):
+            chunks = [np.array_split(np.array_split(x, p)[r], k)[j] for x in inputs]
+            acc = np.zeros(chunks[0].size, np.float32)
+            for c in chunks:
+                with np.errstate(invalid="ignore", over="ignore"):
+                    acc = (acc + quant_dequant(c, fmt, scaling, block)).astype(np.float32)
+            out.append(quant_dequant(acc, fmt, scaling, block))
     return np.concatenate(out)
 
 
