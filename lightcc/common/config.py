@@ -127,9 +127,10 @@ KNOBS: tuple[Knob, ...] = (
     Knob("auto_multinode_bytes", "LCC_AUTO_HIERARCHICAL_BYTES", _parse_int, 256 * 1024, "bytes",
          "algorithm=auto uses the multi-node algorithm from this size on jobs with several "
          "nodes of several ranks.", _min(0)),
-    Knob("auto_multi_node", "LCC_AUTO_MULTI_NODE", lambda t: t.strip().lower(), "flat", "",
-         "algorithm=auto's choice for host buffers on several nodes of several ranks (flat = "
-         "Open MPI's own hierarchical han, 2d, hierarchical); one rank per node uses ring.",
+    Knob("auto_multi_node", "LCC_AUTO_MULTI_NODE", lambda t: t.strip().lower(),
+         "hierarchical", "",
+         "algorithm=auto's choice for host buffers on several equal nodes of several ranks "
+         "(hierarchical, 2d, or flat = Open MPI's own han); one rank per node uses ring.",
          lambda v: "must be a concrete algorithm, not auto" if v == "auto" else _algorithm_ok(v)),
     Knob("ring_chunk_bytes", "LCC_RING_CHUNK_BYTES", _parse_int, 1 << 20, "bytes",
          "Pipeline chunk of the ring and 2d algorithms.", _min(1)),

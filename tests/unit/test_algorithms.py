@@ -38,11 +38,11 @@ MB = 1 << 20
     (4, 4, 100 * MB, "flat"),          # one node
     (4, 1, 100 * MB, "ring"),          # one rank per node: pipelined ring over the network
     (4, 1, 128 * 1024, "flat"),        # ... unless below the multi-node threshold
-    (4, 2, 100 * MB, "flat"),          # 2 x 2, large, host buffers (Open MPI's han)
-    (8, 4, 1 * MB, "flat"),            # 2 x 4, medium
+    (4, 2, 100 * MB, "hierarchical"),  # 2 x 2, large, host buffers (pipelined hierarchical)
+    (8, 4, 1 * MB, "hierarchical"),    # 2 x 4, medium
     (4, 2, 1024, "flat"),              # small: latency-bound
     (4, 2, 0, "flat"),                 # empty
-    (3, 2, 100 * MB, "flat"),          # uneven 2 + 1
+    (3, 2, 100 * MB, "flat"),          # uneven 2 + 1, host buffers: the native call
     (4, 2, 128 * 1024, "flat"),        # between small and hierarchical thresholds
 ])
 def test_auto_choice(nranks, local, nbytes, want):

@@ -43,17 +43,19 @@ class AutoThresholds:
       (``ring``: lightcc's pipelined ring keeps several chunks in flight and reached 93-95 %
       of a 1 Gbit line where Open MPI's allreduce reached 56-68 %, docs/topology.md);
     - several nodes with several ranks each, at or above ``hierarchical_bytes``:
-      ``multi_node`` for host (MPI) buffers — ``flat``: with 4 MB pieces Open MPI 5's own
-      hierarchical component (han) beat lightcc's ``2d`` and ``hierarchical`` on 2 x 2
-      simulated hosts (1.41 vs 1.29 and 1.11 Gbit/s bus bandwidth at 64 MB) — and
-      ``multi_node_device`` (``hierarchical``, native NCCL phases) for device buffers.
-      Below the threshold ``flat``.
+      ``multi_node`` for host (MPI) buffers — ``hierarchical``, pipelined in 128 KB pieces:
+      on 2 x 2 simulated hosts it matched Open MPI 5's own hierarchical component (han) at
+      1 Gbit (1.39-1.45 Gbit/s bus bandwidth for 1-64 MB, han 1.39-1.45) and beat it at
+      10 Gbit (5.4-6.0 vs 3.9-4.1) — and ``multi_node_device`` (``hierarchical``, native NCCL
+      phases) for device buffers. Host buffers on nodes of different sizes use ``flat`` (the
+      leader scheme sends everything over one connection per node pair). Below the
+      threshold ``flat``.
     """
 
     small_bytes: int = 64 * 1024
     small: str = "flat"
     hierarchical_bytes: int = 256 * 1024
-    multi_node: str = "flat"
+    multi_node: str = "hierarchical"
     multi_node_device: str = "hierarchical"
     single_rank_nodes: str = "ring"
 
@@ -106,7 +108,9 @@ def choose(name: str, nbytes: int, topo: Topology,
         return "flat"
     if nodes == topo.size:
         return t.single_rank_nodes
-    return t.multi_node_device if getattr(topo.world, "is_device", False) else t.multi_node
+    if getattr(topo.world, "is_device", False):
+        return t.multi_node_device
+    return t.multi_node if topo.is_homogeneous else "flat"
 
 
 def allreduce(buf: Any, op: str, topo: Topology, compressor: Compressor | None,

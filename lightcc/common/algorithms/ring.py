@@ -18,7 +18,7 @@ docs/topology.md.
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 from ..backends.base import Communicator, displacements, even_counts
 from ..compression.base import BucketContext, Compressor
@@ -42,13 +42,31 @@ def num_chunks(counts: Sequence[int], itemsize: int, chunk_bytes: int | None = N
     return max(1, min(max_chunks, -(-largest // max(1, chunk_bytes))))
 
 
+Steps = Iterator[Any]
+"""A ring operation as a generator: it yields a request it is waiting on whenever that request
+has not completed yet, and finishes when the operation is done. :func:`drive` runs one to the
+end; ``hierarchical`` interleaves several (one per pipeline piece) with native collectives."""
+
+
+def _until_done(req: Any) -> Steps:
+    while not req.test():
+        yield req
+
+
+def drive(steps: Steps) -> None:
+    """Run ring steps to completion, blocking in ``wait()`` on whatever they wait for."""
+    for req in steps:
+        req.wait()
+
+
 def _ring_pass(comm: Communicator, buf: Any, counts: Sequence[int], op: str | None,
-               send_seg: Callable[[int], int], recv_seg: Callable[[int], int]) -> None:
+               send_seg: Callable[[int], int], recv_seg: Callable[[int], int],
+               tag_base: int = 0) -> Steps:
     """``size - 1`` ring steps; received chunks are reduced into ``buf`` (``op``) or stored.
 
     At step ``t`` this rank sends segment ``send_seg(t)`` to the right and receives segment
     ``recv_seg(t)`` from the left; ``send_seg(t + 1) == recv_seg(t)`` so each chunk is
-    forwarded right after it arrives.
+    forwarded right after it arrives. Chunk ``c`` uses tag ``tag_base + c``.
     """
     p, r = comm.size, comm.rank
     if p == 1:
@@ -72,25 +90,41 @@ def _ring_pass(comm: Communicator, buf: Any, counts: Sequence[int], op: str | No
         into = piece(recv_seg(t), c)
         if into.size:
             target = scratch[c][:into.size] if op is not None else into
-            recvs[c] = comm.irecv(target, left, tag=c)
+            recvs[c] = comm.irecv(target, left, tag=tag_base + c)
         if out.size:
-            sends[c] = comm.isend(out, right, tag=c)
+            sends[c] = comm.isend(out, right, tag=tag_base + c)
 
     for c in range(k):
         post(0, c)
     for t in range(p - 1):
         for c in range(k):
             if recvs[c] is not None:
-                recvs[c].wait()
+                yield from _until_done(recvs[c])
                 recvs[c] = None
                 if op is not None:
                     into = piece(recv_seg(t), c)
                     reduce_into(into, scratch[c][:into.size], op)
             if sends[c] is not None:
-                sends[c].wait()
+                yield from _until_done(sends[c])
                 sends[c] = None
             if t + 1 < p - 1:
                 post(t + 1, c)
+
+
+def reduce_scatter_steps(comm: Communicator, buf: Any, counts: Sequence[int], op: str,
+                         tag_base: int = 0) -> Steps:
+    """Ring steps of :func:`reduce_scatter`."""
+    p, r = comm.size, comm.rank
+    return _ring_pass(comm, buf, counts, op, lambda t: (r - t - 1) % p,
+                      lambda t: (r - t - 2) % p, tag_base)
+
+
+def allgather_steps(comm: Communicator, buf: Any, counts: Sequence[int],
+                    tag_base: int = 0) -> Steps:
+    """Ring steps of :func:`allgather`."""
+    p, r = comm.size, comm.rank
+    return _ring_pass(comm, buf, counts, None, lambda t: (r - t) % p,
+                      lambda t: (r - t - 1) % p, tag_base)
 
 
 def reduce_scatter(comm: Communicator, buf: Any, counts: Sequence[int], op: str) -> None:
@@ -98,23 +132,26 @@ def reduce_scatter(comm: Communicator, buf: Any, counts: Sequence[int], op: str)
 
     Other segments are left holding partial results (scratch).
     """
-    p, r = comm.size, comm.rank
-    _ring_pass(comm, buf, counts, op, lambda t: (r - t - 1) % p, lambda t: (r - t - 2) % p)
+    drive(reduce_scatter_steps(comm, buf, counts, op))
 
 
 def allgather(comm: Communicator, buf: Any, counts: Sequence[int]) -> None:
     """Every rank contributes segment ``comm.rank`` of ``buf``; afterwards all hold all segments."""
-    p, r = comm.size, comm.rank
-    _ring_pass(comm, buf, counts, None, lambda t: (r - t) % p, lambda t: (r - t - 1) % p)
+    drive(allgather_steps(comm, buf, counts))
+
+
+def ring_allreduce_steps(comm: Communicator, buf: Any, op: str, tag_base: int = 0) -> Steps:
+    """Ring steps of :func:`ring_allreduce` (tags ``tag_base .. tag_base + MAX_CHUNKS - 1``)."""
+    if comm.size == 1 or buf.size == 0:
+        return
+    counts = even_counts(buf.size, comm.size)
+    yield from reduce_scatter_steps(comm, buf, counts, op, tag_base)
+    yield from allgather_steps(comm, buf, counts, tag_base)
 
 
 def ring_allreduce(comm: Communicator, buf: Any, op: str) -> None:
     """Pipelined ring allreduce of the 1-D ``buf`` over ``comm``, in place."""
-    if comm.size == 1 or buf.size == 0:
-        return
-    counts = even_counts(buf.size, comm.size)
-    reduce_scatter(comm, buf, counts, op)
-    allgather(comm, buf, counts)
+    drive(ring_allreduce_steps(comm, buf, op))
 
 
 def allreduce(buf: Any, op: str, topo: Topology, compressor: Compressor | None,

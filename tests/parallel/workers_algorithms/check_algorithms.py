@@ -16,7 +16,7 @@ import numpy as np
 from mpi4py import MPI
 
 from lightcc.common import algorithms, topology
-from lightcc.common.algorithms import ring
+from lightcc.common.algorithms import hierarchical, ring
 from lightcc.common.backends.base import displacements, even_counts
 from lightcc.common.backends.mpi import MPICommunicator
 from lightcc.common.compression.base import BucketContext
@@ -144,6 +144,36 @@ def main() -> None:
             case += 1
             check(topo, algo, "sum", np.int64, n, case, ctx)
     ring.CHUNK_BYTES = saved
+    # the MPI backend's reduce_scatterv in pieces of ALLREDUCE_CHUNK_BYTES (uneven blocks,
+    # empty blocks, pieces larger than some blocks)
+    from lightcc.common.backends import mpi as mpi_backend
+    saved_chunk = mpi_backend.ALLREDUCE_CHUNK_BYTES
+    mpi_backend.ALLREDUCE_CHUNK_BYTES = 256
+    p = topo.size
+    for op, dtype in (("sum", np.int64), ("min", np.float32), ("sum", np.float64)):
+        for counts in ([1000 + 37 * r for r in range(p)], [0] * (p - 1) + [2001],
+                       [3] * p, [500] + [0] * (p - 1)):
+            case += 1
+            n = sum(counts)
+            src = make_input(topo.rank, n, dtype, op, case)
+            out = np.empty(counts[topo.rank], dtype)
+            topo.world.reduce_scatterv(src, out, counts, op)
+            lo = displacements(counts)[topo.rank]
+            want = reference(p, n, dtype, op, case)[lo:lo + counts[topo.rank]]
+            if not np.allclose(out, want, rtol=1e-6, atol=1e-6):
+                fail(f"reduce_scatterv in pieces op={op} counts={counts}: got {out[:4]}, "
+                     f"want {want[:4]}")
+    mpi_backend.ALLREDUCE_CHUNK_BYTES = saved_chunk
+    # pipelined hierarchical: many pieces (up to the MAX_PIECES cap), several depths
+    saved = hierarchical.PIECE_BYTES, hierarchical.DEPTH
+    hierarchical.PIECE_BYTES = 64
+    for depth in (1, 2, 3):
+        hierarchical.DEPTH = depth
+        for op, dtype in (("sum", np.int64), ("max", np.float32), ("sum", np.float64)):
+            for n in (5, 97, 1003, 40_000):
+                case += 1
+                check(topo, "hierarchical", op, dtype, n, case, ctx)
+    hierarchical.PIECE_BYTES, hierarchical.DEPTH = saved
     for algo in ALGOS:
         for n in (0, 1, 1003):
             check_compressor(topo, algo, n)
