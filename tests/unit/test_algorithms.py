@@ -38,6 +38,8 @@ MB = 1 << 20
     (4, 4, 100 * MB, "flat"),          # one node
     (4, 1, 100 * MB, "ring"),          # one rank per node: pipelined ring over the network
     (4, 1, 128 * 1024, "flat"),        # ... unless below the multi-node threshold
+    (2, 1, 4 * MB, "flat"),            # ... or below the ring threshold (8 MB)
+    (2, 1, 8 * MB, "ring"),
     (4, 2, 100 * MB, "hierarchical"),  # 2 x 2, large, host buffers (pipelined hierarchical)
     (8, 4, 1 * MB, "hierarchical"),    # 2 x 4, medium
     (4, 2, 1024, "flat"),              # small: latency-bound

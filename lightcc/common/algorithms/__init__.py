@@ -39,14 +39,16 @@ class AutoThresholds:
     - below ``small_bytes``: ``small`` (latency-bound; the native call is usually a C
       recursive doubling already);
     - one node: ``flat`` — shared memory, nothing topological to exploit;
-    - one rank on every node, at or above ``hierarchical_bytes``: ``single_rank_nodes``
+    - one rank on every node, at or above ``single_rank_bytes`` (8 MB): ``single_rank_nodes``
       (``ring``: lightcc's pipelined ring keeps several chunks in flight and reached 93-95 %
-      of a 1 Gbit line where Open MPI's allreduce reached 56-68 %, docs/topology.md);
+      of a 1 Gbit line at 16-64 MB where Open MPI's allreduce collapsed to 51-56 %; at 1-4 MB
+      Open MPI's was as fast or steadier, 86-95 % against the ring's 77-95 %, docs/topology.md);
     - several nodes with several ranks each, at or above ``hierarchical_bytes``:
       ``multi_node`` for host (MPI) buffers — ``hierarchical``, pipelined in 128 KB pieces:
       on 2 x 2 simulated hosts it matched Open MPI 5's own hierarchical component (han) at
-      1 Gbit (1.39-1.45 Gbit/s bus bandwidth for 1-64 MB, han 1.39-1.45) and beat it at
-      10 Gbit (5.4-6.0 vs 3.9-4.1) — and ``multi_node_device`` (``hierarchical``, native NCCL
+      1 Gbit (1.41-1.47 Gbit/s bus bandwidth for 1-64 MB, han 1.42-1.49) and at 10 Gbit was
+      as fast as han or faster (4.6-5.6 vs 4.0-5.9; both CPU-bound on 2 cores, where ``2d``
+      reached 9.5-14) — and ``multi_node_device`` (``hierarchical``, native NCCL
       phases) for device buffers. Host buffers on nodes of different sizes use ``flat`` (the
       leader scheme sends everything over one connection per node pair). Below the
       threshold ``flat``.
@@ -58,6 +60,7 @@ class AutoThresholds:
     multi_node: str = "hierarchical"
     multi_node_device: str = "hierarchical"
     single_rank_nodes: str = "ring"
+    single_rank_bytes: int = 8 * 1024 * 1024
 
 
 #: The thresholds ``auto`` uses now; replace with :func:`set_thresholds`.
@@ -107,7 +110,7 @@ def choose(name: str, nbytes: int, topo: Topology,
     if nodes == 1 or nbytes < t.hierarchical_bytes:
         return "flat"
     if nodes == topo.size:
-        return t.single_rank_nodes
+        return t.single_rank_nodes if nbytes >= t.single_rank_bytes else "flat"
     if getattr(topo.world, "is_device", False):
         return t.multi_node_device
     return t.multi_node if topo.is_homogeneous else "flat"
