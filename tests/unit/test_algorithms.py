@@ -115,3 +115,13 @@ def test_reduce_into(op, fn, dtype):
 def test_reduce_into_rejects_unknown_op():
     with pytest.raises(ValueError, match="unknown reduction op 'avg'"):
         reduce_into(np.zeros(2), np.zeros(2), "avg")
+
+
+def test_sub_blocks_split_every_block_the_same_way():
+    from lightcc.common.backends.base import num_pieces, sub_blocks
+
+    sizes, starts = sub_blocks([5, 0, 7], 3)
+    assert sizes == [[2, 2, 1], [0, 0, 0], [3, 2, 2]]
+    assert starts == [[0, 2, 4], [5, 5, 5], [5, 8, 10]]
+    assert [num_pieces(n, 4, 3) for n in (0, 1, 4, 5, 100)] == [1, 1, 1, 2, 3]
+    assert num_pieces(100, 4) == 25

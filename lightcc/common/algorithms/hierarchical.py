@@ -34,7 +34,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..backends.base import displacements, even_counts
+from ..backends.base import displacements, even_counts, num_pieces
 from ..compression.base import BucketContext, Compressor
 from ..topology import Topology
 from . import ring
@@ -66,7 +66,7 @@ def cross_allreduce(topo: Topology, shard: Any, op: str, compressor: Compressor 
 def pipelined_allreduce(buf: Any, op: str, topo: Topology) -> None:
     """Host buffers, homogeneous nodes, no compressor: pieces through the three phases."""
     local, cross = topo.local, topo.cross
-    pcounts = even_counts(buf.size, max(1, min(MAX_PIECES, -(-buf.nbytes // PIECE_BYTES))))
+    pcounts = even_counts(buf.size, num_pieces(buf.nbytes, PIECE_BYTES, MAX_PIECES))
     pstarts = displacements(pcounts)
     shards: dict[int, tuple[Any, list[int]]] = {}
     steps: dict[int, ring.Steps] = {}
@@ -76,9 +76,14 @@ def pipelined_allreduce(buf: Any, op: str, topo: Topology) -> None:
         waiting[i] = next(steps[i], None)
 
     def poll() -> None:
-        for i in list(waiting):
+        # oldest piece first (dicts keep insertion order); stop at the first ring still
+        # waiting: later pieces' messages come behind its own on the same connections, and
+        # testing every in-flight piece each step cost O(pieces x DEPTH) calls
+        for i in waiting:
             while waiting[i] is not None and waiting[i].test():
                 advance(i)
+            if waiting[i] is not None:
+                return
 
     def piece(i: int) -> Any:
         return buf[pstarts[i]:pstarts[i] + pcounts[i]]

@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Callable, Iterator, Sequence
 
-from ..backends.base import Communicator, displacements, even_counts
+from ..backends.base import Communicator, even_counts, num_pieces, sub_blocks
 from ..compression.base import BucketContext, Compressor
 from ..topology import Topology
 from ._ops import empty, reduce_into, uses_compressor
@@ -38,8 +38,7 @@ def num_chunks(counts: Sequence[int], itemsize: int, chunk_bytes: int | None = N
     """Chunks per segment for segments of ``counts`` elements (same on every rank, >= 1)."""
     chunk_bytes = CHUNK_BYTES if chunk_bytes is None else chunk_bytes
     max_chunks = MAX_CHUNKS if max_chunks is None else max_chunks
-    largest = max(counts) * itemsize if counts else 0
-    return max(1, min(max_chunks, -(-largest // max(1, chunk_bytes))))
+    return num_pieces(max(counts) * itemsize if counts else 0, chunk_bytes, max_chunks)
 
 
 Steps = Iterator[Any]
@@ -72,15 +71,13 @@ def _ring_pass(comm: Communicator, buf: Any, counts: Sequence[int], op: str | No
     if p == 1:
         return
     right, left = (r + 1) % p, (r - 1) % p
-    displ = displacements(counts)
     k = num_chunks(counts, buf.dtype.itemsize)
-    pieces = [displacements(even_counts(c, k)) + [c] for c in counts]
+    sizes, starts = sub_blocks(counts, k)
 
     def piece(seg: int, c: int) -> Any:
-        lo, hi = pieces[seg][c], pieces[seg][c + 1]
-        return buf[displ[seg] + lo:displ[seg] + hi]
+        return buf[starts[seg][c]:starts[seg][c] + sizes[seg][c]]
 
-    scratch = [empty(max(pieces[s][c + 1] - pieces[s][c] for s in range(p)), buf)
+    scratch = [empty(max(sizes[s][c] for s in range(p)), buf)
                for c in range(k)] if op is not None else []
     sends: list[Any] = [None] * k
     recvs: list[Any] = [None] * k

@@ -100,3 +100,21 @@ def displacements(counts: Sequence[int]) -> list[int]:
         out.append(acc)
         acc += int(c)
     return out
+
+
+def num_pieces(nbytes: int, piece_bytes: int, max_pieces: int | None = None) -> int:
+    """``ceil(nbytes / piece_bytes)``, at least 1 and at most ``max_pieces`` (None: no cap)."""
+    n = -(-int(nbytes) // max(1, int(piece_bytes)))
+    return max(1, n if max_pieces is None else min(int(max_pieces), n))
+
+
+def sub_blocks(counts: Sequence[int], k: int) -> tuple[list[list[int]], list[list[int]]]:
+    """Cut each block of a buffer of consecutive blocks (``counts``) into ``k`` sub-blocks.
+
+    Returns ``(sizes, starts)``: sub-block ``j`` of block ``r`` is ``sizes[r][j]`` elements
+    starting at offset ``starts[r][j]`` of the whole buffer (the same split on every rank).
+    """
+    sizes = [even_counts(c, k) for c in counts]
+    starts = [[base + off for off in displacements(sz)]
+              for base, sz in zip(displacements(counts), sizes)]
+    return sizes, starts

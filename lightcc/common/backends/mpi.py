@@ -16,7 +16,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from ..tracing import NULL
-from .base import even_counts, WireStats, displacements
+from .base import WireStats, displacements, num_pieces, sub_blocks
 
 MAX_CHUNK_ELEMS = 1 << 30  # elements per reduction call; keeps MPI int counts in range
 #: Allreduce pieces (bytes; 0 = one call). Open MPI 5's default algorithms for messages above
@@ -24,16 +24,6 @@ MAX_CHUNK_ELEMS = 1 << 30  # elements per reduction call; keeps MPI int counts i
 ALLREDUCE_CHUNK_BYTES = 4 << 20
 MAX_CHUNK_BYTES = 1 << 30  # bytes per data-movement call on the large-message paths
 INT_LIMIT = (1 << 31) - 1  # MPI-3 counts and displacements are C ints
-
-
-def _rs_pieces(nbytes: int, size: int) -> int:
-    """Calls a reduce-scatter of ``nbytes`` in all is split into (ALLREDUCE_CHUNK_BYTES each).
-
-    Open MPI's Reduce_scatter of 64 MB between 2 ranks on one host ran at 1.2 GB/s, in 4 MB
-    calls at 7.6 GB/s (the same cliff as its allreduce)."""
-    if ALLREDUCE_CHUNK_BYTES <= 0 or size == 1:
-        return 1
-    return max(1, -(-int(nbytes) // ALLREDUCE_CHUNK_BYTES))
 _LARGE_TAG = 7203          # point-to-point tag of the large alltoallv path
 
 
@@ -131,7 +121,10 @@ class MPICommunicator:
         mtype = self._mpi_type(sendbuf.dtype)
         counts = [int(c) for c in counts]
         item = sendbuf.dtype.itemsize
-        pieces = _rs_pieces(sum(counts) * item, self.size)
+        # in ALLREDUCE_CHUNK_BYTES calls too: Open MPI's Reduce_scatter of 64 MB between 2
+        # ranks on one host ran at 1.2 GB/s, in 4 MB calls at 7.6 GB/s
+        pieces = 1 if ALLREDUCE_CHUNK_BYTES <= 0 or self.size == 1 else \
+            num_pieces(sum(counts) * item, ALLREDUCE_CHUNK_BYTES)
         if sum(counts) > INT_LIMIT:
             self._reduce_scatterv_large(sendbuf.reshape(-1), recvbuf.reshape(-1), counts,
                                         mtype, getattr(MPI, _OPS[op]))
@@ -222,18 +215,16 @@ class MPICommunicator:
         """Reduce_scatter as ``pieces`` calls of about ALLREDUCE_CHUNK_BYTES: piece q packs
         sub-block q of every rank's block (same split on every rank) and lands in sub-block q
         of ``recv``."""
-        displs = displacements(counts)
-        subs = [even_counts(c, pieces) for c in counts]
-        sub_displs = [displacements(s) for s in subs]
+        subs, starts = sub_blocks(counts, pieces)
         pack = np.empty(-(-sum(counts) // pieces) + self.size, send.dtype)
+        mine0 = displacements(counts)[self.rank]
         for q in range(pieces):
             qcounts = [subs[r][q] for r in range(self.size)]
             at = 0
             for r in range(self.size):
-                lo = displs[r] + sub_displs[r][q]
-                pack[at:at + qcounts[r]] = send[lo:lo + qcounts[r]]
+                pack[at:at + qcounts[r]] = send[starts[r][q]:starts[r][q] + qcounts[r]]
                 at += qcounts[r]
-            mine = sub_displs[self.rank][q]
+            mine = starts[self.rank][q] - mine0
             self.comm.Reduce_scatter([pack[:at], mtype],
                                      [recv[mine:mine + qcounts[self.rank]], mtype],
                                      qcounts, op=mop)

@@ -191,6 +191,12 @@ class NCCLCommunicator:
         self._wait_event(self.stream.record(), "synchronize")
 
     def _call(self, what: str, fn: Callable[[], None]) -> None:
+        self._issue(what, fn)
+        self._end(what)
+
+    def _issue(self, what: str, fn: Callable[[], None]) -> None:
+        """Enqueue ``fn``'s NCCL work after the caller's stream; an NCCL error aborts the
+        communicator and raises :class:`CollectiveError`."""
         nccl = _nccl()
         self._begin()
         try:
@@ -199,7 +205,6 @@ class NCCLCommunicator:
             self._abort()
             raise CollectiveError(f"NCCL {what} on {self.name!r} failed on rank "
                                   f"{self.rank}/{self.size}: {exc}") from exc
-        self._end(what)
 
     @staticmethod
     def _buf(buf: Any) -> Any:
@@ -347,13 +352,7 @@ class NCCLCommunicator:
             finally:
                 nccl.groupEnd()
 
-        self._begin()
-        try:
-            grouped()
-        except nccl.NcclError as exc:
-            self._abort()
-            raise CollectiveError(f"NCCL send/recv on {self.name!r} failed on rank "
-                                  f"{self.rank}/{self.size}: {exc}") from exc
+        self._issue("send/recv", grouped)
         event = self.stream.record()
         for _, req in pending:
             req._event = event

@@ -26,10 +26,10 @@ import numpy as np
 from ..exceptions import InvalidArgumentError, LightCCError
 from ..kernels import cuda as kc
 from ..kernels import floatcast as fc
+from ..kernels.sparse import SAMPLE, trivial_topk
 
 THREADS = kc.THREADS
 WARP_AMAX_MAX_BLOCK = 8192     # scaling blocks up to this size: one warp each
-SAMPLE = 1 << 15               # TopK threshold sample size (as kernels/sparse.py)
 PACK_CHUNK = 4096              # elements one CUDA block copies in pack/unpack
 _seeds = itertools.count(12345)
 _NULL = np.uint64(0)           # a null pointer kernel argument
@@ -248,11 +248,9 @@ def topk_indices(x: Any, k: int) -> Any:
     cupy = kc.cupy_or_raise()
     _check(x, "x", np.float32)
     n = x.size
-    k = int(min(max(k, 0), n))
-    if k == n:
-        return cupy.arange(n, dtype=np.int64)
-    if k == 0:
-        return cupy.empty(0, np.int64)
+    k, trivial = trivial_topk(n, k, cupy)
+    if trivial is not None:
+        return trivial
     if n >= 1 << 32:
         raise InvalidArgumentError(f"topk on {n} elements: at most 2**32 - 1 supported")
     if n > 4 * SAMPLE:

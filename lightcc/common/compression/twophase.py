@@ -26,7 +26,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from ..backends.base import Communicator, displacements, even_counts
+from ..backends.base import Communicator, displacements, even_counts, sub_blocks
+from ..backends.base import num_pieces as _num_pieces
 from .base import BucketContext
 
 #: fp32 bytes per piece of the pipelined scheme (chunks up to this size use the collective one).
@@ -38,7 +39,28 @@ MAX_PIECES = 64
 def num_pieces(count: int, piece_bytes: int | None = None) -> int:
     """Pieces per chunk for a largest chunk of ``count`` fp32 elements (same on every rank)."""
     piece_bytes = PIECE_BYTES if piece_bytes is None else piece_bytes
-    return max(1, min(MAX_PIECES, -(-4 * int(count) // max(1, int(piece_bytes)))))
+    return _num_pieces(4 * int(count), piece_bytes, MAX_PIECES)
+
+
+class _Phases:
+    """Spans of one compressed allreduce on ``comm``'s tracer (one check when it is off)."""
+
+    def __init__(self, comm: Communicator, fmt: str) -> None:
+        tracer = getattr(comm, "tracer", None)
+        self.tracer = tracer if tracer is not None and tracer.enabled else None
+        self.track = f"link:{comm.name}"
+        self.fmt = fmt
+        self.start()
+
+    def start(self) -> None:
+        """A phase begins now."""
+        self.t = time.perf_counter() if self.tracer is not None else 0.0
+
+    def span(self, phase: str, **args: Any) -> None:
+        """The phase begun at the last :meth:`start` ends now."""
+        if self.tracer is not None:
+            self.tracer.span(self.track, phase, self.t, time.perf_counter(), format=self.fmt,
+                             **args)
 
 
 class Codec(Protocol):
@@ -74,50 +96,37 @@ class TwoPhaseCompressor:
         starts = displacements(counts)
         enc = [self.codec.nbytes(c) for c in counts]
         estarts = displacements(enc)
-        tracer = getattr(comm, "tracer", None)
-        trace = tracer is not None and tracer.enabled
-        track = f"link:{comm.name}"
-        t0 = time.perf_counter() if trace else 0.0
+        phases = _Phases(comm, self.name)
         send = np.empty(sum(enc), np.uint8)
         for r in range(p):
             self.codec.encode_into(buf[starts[r]:starts[r] + counts[r]],
                                    send[estarts[r]:estarts[r] + enc[r]])
-        if trace:
-            tracer.span(track, "COMPRESS", t0, time.perf_counter(), format=self.name)
+        phases.span("COMPRESS")
         mine, c = enc[me], counts[me]
         recv = np.empty(mine * p, np.uint8)
         comm.alltoallv(send, enc, recv, [mine] * p)
-        t1 = time.perf_counter() if trace else 0.0
+        phases.start()
         acc = np.zeros(c, np.float32)
         for s in range(p):
             self.codec.decode_into(recv[s * mine:(s + 1) * mine], c, acc, True)
         own = np.empty(mine, np.uint8)
         self.codec.encode_into(acc, own)
-        if trace:
-            tracer.span(track, "DECOMPRESS_ACCUMULATE_RECOMPRESS", t1, time.perf_counter(),
-                        format=self.name)
+        phases.span("DECOMPRESS_ACCUMULATE_RECOMPRESS")
         comm.allgatherv(own, send, enc)
-        t2 = time.perf_counter() if trace else 0.0
+        phases.start()
         for r in range(p):
             self.codec.decode_into(send[estarts[r]:estarts[r] + enc[r]], counts[r],
                                    buf[starts[r]:starts[r] + counts[r]], False)
-        if trace:
-            tracer.span(track, "DECOMPRESS", t2, time.perf_counter(), format=self.name)
+        phases.span("DECOMPRESS")
 
     def _pipelined(self, comm: Communicator, buf: np.ndarray, counts: list[int], k: int) -> None:
         """Both phases per piece over point-to-point calls (see module docstring)."""
         p, me, codec = comm.size, comm.rank, self.codec
-        starts = displacements(counts)
-        sizes = [even_counts(c, k) for c in counts]
-        offs = [displacements(sz) for sz in sizes]
-        tracer = getattr(comm, "tracer", None)
-        trace = tracer is not None and tracer.enabled
-        track = f"link:{comm.name}"
-        t0 = time.perf_counter() if trace else 0.0
+        sizes, starts = sub_blocks(counts, k)
+        phases = _Phases(comm, self.name)
 
         def piece(r: int, j: int) -> np.ndarray:
-            lo = starts[r] + offs[r][j]
-            return buf[lo:lo + sizes[r][j]]
+            return buf[starts[r][j]:starts[r][j] + sizes[r][j]]
 
         def encoded(x: np.ndarray) -> np.ndarray:
             out = np.empty(codec.nbytes(x.size), np.uint8)
@@ -170,9 +179,8 @@ class TwoPhaseCompressor:
             while done <= j and ready(done):
                 finish_piece(done)
                 done += 1
-        if trace:
-            tracer.span(track, "COMPRESS_SEND", t0, time.perf_counter(), format=self.name)
-        t1 = time.perf_counter() if trace else 0.0
+        phases.span("COMPRESS_SEND")
+        phases.start()
         while done < k:
             for req in phase1[done]:
                 req.wait()
@@ -183,9 +191,7 @@ class TwoPhaseCompressor:
             codec.decode_into(inbox[r, k + j], sizes[r][j], piece(r, j), False)
         for req in sends:
             req.wait()
-        if trace:
-            tracer.span(track, "PIPELINED_ACCUMULATE_DECOMPRESS", t1, time.perf_counter(),
-                        format=self.name, pieces=k)
+        phases.span("PIPELINED_ACCUMULATE_DECOMPRESS", pieces=k)
 
     def rank_wire_bytes(self, numel: int, nranks: int, rank: int) -> int:
         """Bytes rank ``rank`` sends (alltoall to the others + allgather of its chunk)."""

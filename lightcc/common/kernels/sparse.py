@@ -10,11 +10,11 @@ estimate was too high it lowers it and tries again. On the 2-core dev box this s
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import numpy as np
 
 from ._threads import keeps_torch_threads
-
 from .floatcast import HAVE_NUMBA, TILE
 
 if HAVE_NUMBA:
@@ -65,13 +65,19 @@ _rng = np.random.default_rng(12345)
 SAMPLE = 1 << 15
 
 
+def _tile_counts(x: np.ndarray, t: np.float32, strict: bool) -> np.ndarray:
+    """Per ``TILE`` of ``x``: elements with ``not |x| < t`` (``not |x| <= t`` if strict)."""
+    counts = np.empty(-(-x.size // TILE), np.int64)
+    _count_tiles(x, t, strict, counts)
+    return counts
+
+
 def _candidates(x: np.ndarray, t: np.float32) -> np.ndarray:
     """Indices (ascending, int64) of elements with ``not |x| < t``."""
     if not HAVE_NUMBA:
         with np.errstate(invalid="ignore"):
             return np.flatnonzero(~(np.abs(x) < t))
-    counts = np.empty(-(-x.size // TILE), np.int64)
-    _count_tiles(x, t, False, counts)
+    counts = _tile_counts(x, t, False)
     starts = np.zeros_like(counts)
     np.cumsum(counts[:-1], out=starts[1:])
     out = np.empty(int(counts.sum()), np.int64)
@@ -84,9 +90,7 @@ def _count_greater(x: np.ndarray, t: np.float32) -> int:
     if not HAVE_NUMBA:
         with np.errstate(invalid="ignore"):
             return int(np.count_nonzero(~(np.abs(x) <= t)))
-    counts = np.empty(-(-x.size // TILE), np.int64)
-    _count_tiles(x, t, True, counts)
-    return int(counts.sum())
+    return int(_tile_counts(x, t, True).sum())
 
 
 def _with_ties(x: np.ndarray, t: np.float32, k: int, greater: int) -> np.ndarray:
@@ -116,15 +120,24 @@ def _exact(x: np.ndarray, cand: np.ndarray, k: int) -> np.ndarray:
     return cand[above | tie]
 
 
+def trivial_topk(n: int, k: int, xp: Any) -> tuple[int, Any]:
+    """``k`` clamped to ``[0, n]``, and the indices when the choice is all or nothing (else
+    None), as arrays of the array module ``xp`` (NumPy or CuPy)."""
+    k = int(min(max(k, 0), n))
+    if k == n:
+        return k, xp.arange(n, dtype=np.int64)
+    if k == 0:
+        return k, xp.empty(0, np.int64)
+    return k, None
+
+
 @keeps_torch_threads
 def topk_indices(x: np.ndarray, k: int) -> np.ndarray:
     """Indices of the ``k`` largest ``|x|`` (exactly ``k``; ascending; int64)."""
     n = x.size
-    k = int(min(max(k, 0), n))
-    if k == n:
-        return np.arange(n, dtype=np.int64)
-    if k == 0:
-        return np.empty(0, np.int64)
+    k, trivial = trivial_topk(n, k, np)
+    if trivial is not None:
+        return trivial
     if n <= 4 * SAMPLE:
         return _exact(x, np.arange(n, dtype=np.int64), k)
     sample = np.abs(x[_rng.integers(0, n, SAMPLE)])
