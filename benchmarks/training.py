@@ -1,14 +1,28 @@
-"""Training throughput: lightcc's DistributedOptimizer vs torch DDP (gloo), same model and data.
+"""End-to-end training throughput: lightcc against what users would run instead, in one run.
 
-Run on N ranks (both frameworks in the same processes, one after the other, alternating for
-``--rounds`` rounds)::
+One command prints one table (images/s over all ranks, and ratios to a baseline column)::
 
-    mpirun -np 2 python benchmarks/training.py            # or: lccrun -np 2 python ...
+    python benchmarks/training.py                         # 2 ranks on this machine
+    python benchmarks/training.py --models resmlp --configs lightcc,ddp --rounds 5
+    sudo python benchmarks/training.py --netns            # 2 simulated hosts, 1 Gbit link
 
-Model: an MLP 784 -> 2560 -> 2048 -> 10 (7.3 M parameters) on synthetic MNIST-shaped data,
-``--batch-size`` samples per rank (default 32), SGD with momentum. Prints img/s (all ranks
-together; best and median round, each round timed by its median step on the slowest rank)
-for each framework and the ratio lightcc / DDP. ``--json PATH`` also writes them.
+Columns (``--configs``, comma separated):
+
+- ``lightcc`` / ``lightcc:fp16`` / ``:bf16`` / ``:fp8`` / ``:topk``: ``lightcc.torch``'s
+  ``DistributedOptimizer`` with that compressor;
+- ``ddp`` / ``ddp:fp16`` / ``ddp:bf16``: ``DistributedDataParallel`` on gloo, plain or with
+  torch's own ``fp16_compress_hook`` / ``bf16_compress_hook``.
+
+Models (``--models``): ``mlp`` (6 large tensors), ``resmlp`` (164 small tensors), ``cnn``
+(29 tensors, compute-bound); see benchmarks/models.py. Every rank trains the same model on
+synthetic MNIST-shaped data, SGD with momentum, ``--batch-size`` samples per rank, one torch
+thread per rank (``--threads``). Columns run one after the other inside the same processes and
+alternate for ``--rounds`` rounds; a round's figure is the median step of the slowest rank, the
+table shows the best round and the median over rounds. With ``--cpu`` the table adds the
+lightcc engine thread's share of one core during the timed steps (rank 0).
+
+``--engine-cost`` prints the per-tensor cost of lightcc's engine on a single rank: 164 small
+in-place allreduces through ``lightcc.torch`` per step, µs per tensor.
 """
 from __future__ import annotations
 
@@ -16,62 +30,145 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
 import sys
 import time
+from pathlib import Path
 
-import torch
-import torch.nn as nn
-import torch.nn.functional as F
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+for p in (str(REPO), str(HERE)):
+    if p not in sys.path:
+        sys.path.insert(0, p)
 
-
-def build_model(hidden: tuple[int, ...] = (2560, 2048)) -> nn.Module:
-    layers: list[nn.Module] = []
-    width = 784
-    for h in hidden:
-        layers += [nn.Linear(width, h), nn.ReLU()]
-        width = h
-    layers.append(nn.Linear(width, 10))
-    return nn.Sequential(nn.Flatten(), *layers)
+DEFAULT_CONFIGS = "lightcc,ddp"
+NETNS_CONFIGS = "lightcc,lightcc:fp16,lightcc:bf16,lightcc:fp8,lightcc:topk,ddp,ddp:fp16,ddp:bf16"
 
 
-def synthetic_batches(rank: int, batch: int, count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    g = torch.Generator().manual_seed(1000 + rank)
-    return [(torch.rand(batch, 1, 28, 28, generator=g), torch.randint(0, 10, (batch,), generator=g))
-            for _ in range(count)]
+# ---- worker (runs on every rank under mpirun) -------------------------------------------------
+def _thread_cpu_seconds(native_id: int | None) -> float:
+    """CPU seconds (user + system) used so far by one thread of this process (Linux)."""
+    if native_id is None:
+        return 0.0
+    try:
+        with open(f"/proc/self/task/{native_id}/stat") as fh:
+            fields = fh.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except OSError:
+        return 0.0
 
 
-def timed_steps(model: nn.Module, opt: torch.optim.Optimizer, data: list, warmup: int,
-                iters: int, barrier) -> list[float]:
-    """Seconds per step for ``iters`` steps after ``warmup`` (each step: fwd, bwd, step)."""
-    times = []
-    for i in range(warmup + iters):
-        x, y = data[i % len(data)]
-        t0 = time.perf_counter()
-        opt.zero_grad(set_to_none=True)
-        loss = F.cross_entropy(model(x), y)
-        loss.backward()
-        opt.step()
-        if i >= warmup:
-            times.append(time.perf_counter() - t0)
-    barrier()
-    return times
+def _engine_thread_id() -> int | None:
+    import threading
+
+    for t in threading.enumerate():
+        if t.name == "lightcc-engine":
+            return t.native_id
+    return None
 
 
-def run_lightcc(args, data) -> float:
-    import lightcc.torch as lcc
+class Worker:
+    def __init__(self, args: argparse.Namespace) -> None:
+        import torch
 
-    lcc.init()
-    torch.manual_seed(0)
-    model = build_model()
-    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    lcc.broadcast_parameters(model.state_dict(), root_rank=0)
-    opt = lcc.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
-                                   compression=_compression(lcc, args.compression))
-    times = timed_steps(model, opt, data, args.warmup, args.iters, lcc.barrier)
-    rate = _rate(times, args.batch_size, lcc.size(), lambda v: lcc.allreduce(
-        torch.tensor([v]), op=lcc.Max, name="bench.max").item())
-    lcc.shutdown()
-    return rate
+        from mpi4py import MPI
+
+        self.args = args
+        self.comm = MPI.COMM_WORLD
+        self.rank, self.world = self.comm.Get_rank(), self.comm.Get_size()
+        torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 1) // self.world))
+        g = torch.Generator().manual_seed(1000 + self.rank)
+        self.data = [(torch.rand(args.batch_size, 1, 28, 28, generator=g),
+                      torch.randint(0, 10, (args.batch_size,), generator=g)) for _ in range(8)]
+        self._lcc = None
+        self._ddp_ready = False
+        self._keep: list = []   # DDP objects: freeing a Reducer can deadlock with gloo threads
+
+    # -- frameworks -------------------------------------------------------------------------
+    def lightcc(self):
+        if self._lcc is None:
+            import lightcc.torch as lcc
+
+            lcc.init()
+            self._lcc = lcc
+        return self._lcc
+
+    def _ddp_init(self) -> None:
+        import torch.distributed as dist
+
+        if not self._ddp_ready:
+            os.environ.setdefault("MASTER_ADDR", os.environ.get("LCC_BENCH_MASTER", "127.0.0.1"))
+            os.environ.setdefault("MASTER_PORT", str(self.args.port))
+            dist.init_process_group("gloo", rank=self.rank, world_size=self.world)
+            self._ddp_ready = True
+
+    def make(self, model_name: str, config: str):
+        """(model, optimizer) for one column."""
+        import torch
+
+        import models
+
+        framework, _, option = config.partition(":")
+        torch.manual_seed(0)
+        model = models.build(model_name)
+        if framework == "lightcc":
+            lcc = self.lightcc()
+            opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+            lcc.broadcast_parameters(model.state_dict(), root_rank=0)
+            comp = _compression(lcc, option or "none")
+            opt = lcc.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
+                                           compression=comp)
+            return model, opt
+        if framework == "ddp":
+            from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+            import torch.distributed as dist
+
+            self._ddp_init()
+            model = torch.nn.parallel.DistributedDataParallel(model)
+            if option:
+                hook = {"fp16": default_hooks.fp16_compress_hook,
+                        "bf16": default_hooks.bf16_compress_hook}.get(option)
+                if hook is None:
+                    raise SystemExit(f"ddp:{option}: torch has no such hook (fp16, bf16)")
+                model.register_comm_hook(dist.group.WORLD, hook)
+            opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+            self._keep.append((model, opt))
+            return model, opt
+        raise SystemExit(f"unknown framework in config {config!r}")
+
+    def barrier(self) -> None:
+        self.comm.Barrier()
+
+    # -- measurement --------------------------------------------------------------------------
+    def run(self, model_name: str, config: str) -> dict:
+        import torch.nn.functional as F
+
+        model, opt = self.make(model_name, config)
+        args = self.args
+        tid = _engine_thread_id() if config.startswith("lightcc") else None
+        times: list[float] = []
+        cpu0 = wall0 = 0.0
+        for i in range(args.warmup + args.iters):
+            if i == args.warmup:
+                self.barrier()
+                cpu0, wall0 = _thread_cpu_seconds(tid), time.perf_counter()
+            x, y = self.data[i % len(self.data)]
+            t0 = time.perf_counter()
+            opt.zero_grad(set_to_none=True)
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+            if i >= args.warmup:
+                times.append(time.perf_counter() - t0)
+        share = (_thread_cpu_seconds(tid) - cpu0) / max(time.perf_counter() - wall0, 1e-9)
+        self.barrier()
+        slowest = self.comm.allreduce(statistics.median(times), op=_max())
+        return {"img_s": args.batch_size * self.world / slowest, "engine_cpu": share}
+
+
+def _max():
+    from mpi4py import MPI
+
+    return MPI.MAX
 
 
 def _compression(lcc, name: str):
@@ -81,85 +178,184 @@ def _compression(lcc, name: str):
     return value() if callable(value) else value
 
 
-_KEEP_ALIVE: list = []   # DDP objects: freeing a Reducer can deadlock with gloo's threads
+def engine_cost(args: argparse.Namespace) -> dict:
+    """µs per tensor per step for 164 small in-place allreduces on one rank."""
+    import torch
+
+    import lightcc.torch as lcc
+
+    lcc.init()
+    tensors = [torch.rand(410) for _ in range(164)]
+    names = [f"t{i}" for i in range(len(tensors))]
+    per_step = []
+    for step in range(args.iters + args.warmup):
+        t0 = time.perf_counter()
+        handles = [lcc.allreduce_async_(t, name=n) for t, n in zip(tensors, names)]
+        for h in handles:
+            lcc.synchronize(h)
+        if step >= args.warmup:
+            per_step.append(time.perf_counter() - t0)
+    lcc.shutdown()
+    return {"us_per_tensor": statistics.median(per_step) / len(tensors) * 1e6}
 
 
-def run_ddp(args, data, rank: int, world: int) -> float:
-    import torch.distributed as dist
-
-    if not dist.is_initialized():    # one process group for every round (see _KEEP_ALIVE)
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(args.port))
-        dist.init_process_group("gloo", rank=rank, world_size=world)
-    torch.manual_seed(0)
-    model = nn.parallel.DistributedDataParallel(build_model())
-    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    _KEEP_ALIVE.append((model, opt))
-    times = timed_steps(model, opt, data, args.warmup, args.iters, dist.barrier)
-
-    def global_max(v: float) -> float:
-        t = torch.tensor([v])
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return t.item()
-
-    return _rate(times, args.batch_size, world, global_max)
+def worker_main(args: argparse.Namespace) -> None:
+    if args.engine_cost_only:
+        print("ROW " + json.dumps({"engine_cost": engine_cost(args)}), flush=True)
+        return
+    w = Worker(args)
+    for model_name in args.models.split(","):
+        for rnd in range(args.rounds):
+            for config in args.configs.split(","):
+                res = w.run(model_name, config)
+                if w.rank == 0:
+                    print("ROW " + json.dumps({"model": model_name, "config": config,
+                                               "round": rnd, **res}), flush=True)
+    if w._lcc is not None:
+        w._lcc.shutdown()
 
 
-def _rate(times: list[float], batch: int, world: int, global_max) -> float:
-    """img/s over all ranks, from the slowest rank's median step time."""
-    return batch * world / global_max(statistics.median(times))
+# ---- driver -----------------------------------------------------------------------------------
+def _mpirun_local(np_: int) -> list[str]:
+    from tests.mpi_harness import mpirun_base
+
+    return mpirun_base(np_)
+
+
+def launch(args: argparse.Namespace, extra: list[str], np_: int) -> list[dict]:
+    """Run this file as a worker on ``np_`` ranks (or across simulated hosts); parse rows."""
+    cmd_tail = [sys.executable, str(Path(__file__).resolve()), "--worker", *extra]
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    env.setdefault("OMPI_MCA_mpi_yield_when_idle", "1")
+    env["PYTHONUNBUFFERED"] = "1"
+    if args.netns:
+        from tests.netns.simhosts import SimHosts, unavailable_reason
+
+        reason = unavailable_reason()
+        if reason:
+            raise SystemExit(f"--netns: {reason}")
+        with SimHosts(np_, args.rate) as sim:
+            env["LCC_BENCH_MASTER"] = sim.addrs[0]
+            env["GLOO_SOCKET_IFNAME"] = "lcc0"
+            env.update(sim.env())
+            cmd = sim.mpirun_cmd(1, num_links=None) + cmd_tail
+            out = _run(cmd, env, args.timeout)
+    else:
+        out = _run(_mpirun_local(np_) + cmd_tail, env, args.timeout)
+    rows = []
+    for line in out.splitlines():
+        if line.startswith("ROW "):
+            rows.append(json.loads(line[4:]))
+        elif args.verbose or "Error" in line or "error" in line:
+            print(line, file=sys.stderr)
+    return rows
+
+
+def _run(cmd: list[str], env: dict, timeout: float) -> str:
+    proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          env=env, timeout=timeout)
+    if proc.returncode != 0:
+        sys.stderr.write(proc.stdout[-6000:])
+        raise SystemExit(f"benchmark job failed with exit code {proc.returncode}")
+    return proc.stdout
+
+
+def table(rows: list[dict], configs: list[str], baseline: str, cpu: bool) -> str:
+    """Markdown table: best / median img/s per model and config, ratios to ``baseline``."""
+    lines = []
+    head = ["model"] + [f"{c} img/s" for c in configs] + \
+        [f"{c} / {baseline}" for c in configs if c != baseline]
+    if cpu:
+        head += [f"{c} engine CPU" for c in configs if c.startswith("lightcc")]
+    lines.append("| " + " | ".join(head) + " |")
+    lines.append("|" + "---|" * len(head))
+    for model in dict.fromkeys(r["model"] for r in rows):
+        by_cfg = {c: [r for r in rows if r["model"] == model and r["config"] == c]
+                  for c in configs}
+        cells = [model]
+        for c in configs:
+            vals = [r["img_s"] for r in by_cfg[c]]
+            cells.append(f"{max(vals):.0f} ({statistics.median(vals):.0f})" if vals else "-")
+        for c in configs:
+            if c == baseline:
+                continue
+            ratios = [a["img_s"] / b["img_s"] for a, b in zip(by_cfg[c], by_cfg[baseline])]
+            cells.append(f"{statistics.median(ratios):.2f}x" if ratios else "-")
+        if cpu:
+            for c in configs:
+                if c.startswith("lightcc"):
+                    vals = [r["engine_cpu"] for r in by_cfg[c]]
+                    cells.append(f"{100 * statistics.median(vals):.0f} %" if vals else "-")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default="mlp,resmlp,cnn")
+    parser.add_argument("--configs", default=None,
+                        help=f"default: {DEFAULT_CONFIGS} (with --netns: {NETNS_CONFIGS})")
+    parser.add_argument("--baseline", default=None, help="column for ratios (default: ddp, "
+                        "or ddp:fp16 with --netns)")
+    parser.add_argument("-np", "--np", dest="np_", type=int, default=2, help="ranks")
     parser.add_argument("--batch-size", type=int, default=32, help="samples per rank")
-    parser.add_argument("--iters", type=int, default=60, help="timed steps per round")
-    parser.add_argument("--warmup", type=int, default=10)
-    parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--threads", type=int, default=0,
-                        help="torch intra-op threads (0: cores / ranks)")
-    parser.add_argument("--compression", default="none", help="lightcc Compression name")
-    parser.add_argument("--only", choices=["lightcc", "ddp"], default=None)
+    parser.add_argument("--iters", type=int, default=30, help="timed steps per round")
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    parser.add_argument("--netns", action="store_true",
+                        help="one rank on each of --np simulated hosts behind --rate links")
+    parser.add_argument("--rate", default="1gbit")
+    parser.add_argument("--cpu", action="store_true", help="add the engine's CPU share")
+    parser.add_argument("--engine-cost", action="store_true",
+                        help="also print the per-tensor engine cost (single rank)")
     parser.add_argument("--port", type=int, default=29533)
-    parser.add_argument("--json", default=None, help="write the results here (rank 0)")
+    parser.add_argument("--timeout", type=float, default=3600)
+    parser.add_argument("--json", default=None, help="write every row here")
+    parser.add_argument("--verbose", action="store_true", help="show the ranks' output")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--engine-cost-only", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
-
-    rank = int(os.environ.get("OMPI_COMM_WORLD_RANK", os.environ.get("PMI_RANK", "0")))
-    world = int(os.environ.get("OMPI_COMM_WORLD_SIZE", os.environ.get("PMI_SIZE", "1")))
-    threads = args.threads or max(1, (os.cpu_count() or 1) // world)
-    torch.set_num_threads(threads)
-    data = synthetic_batches(rank, args.batch_size, 8)
-    params = sum(p.numel() for p in build_model().parameters())
-    results: dict[str, list[float]] = {"lightcc": [], "ddp": []}
-    for _ in range(args.rounds):
-        if args.only in (None, "lightcc"):
-            results["lightcc"].append(run_lightcc(args, data))
-        if args.only in (None, "ddp"):
-            results["ddp"].append(run_ddp(args, data, rank, world))
-    if rank == 0:
-        best = {k: max(v) for k, v in results.items() if v}
-        median = {k: statistics.median(v) for k, v in results.items() if v}
-        print(f"MLP {params / 1e6:.1f} M parameters, batch {args.batch_size}/rank, {world} ranks, "
-              f"{threads} torch thread(s)/rank, {args.iters} timed steps x {args.rounds} rounds")
-        for name, value in best.items():
-            rounds = ", ".join(f"{v:.0f}" for v in results[name])
-            print(f"  {name:8s} best {value:6.0f} img/s  median {median[name]:6.0f} img/s"
-                  f"   (rounds: {rounds})")
-        if len(best) == 2:
-            ratios = [a / b for a, b in zip(results["lightcc"], results["ddp"])]
-            print(f"  ratio lightcc / DDP-gloo: best {best['lightcc'] / best['ddp']:.2f}x, "
-                  f"median of per-round ratios {statistics.median(ratios):.2f}x")
-        if args.json:
-            with open(args.json, "w") as fh:
-                json.dump({"params": params, "world": world, "batch": args.batch_size,
-                           "results": results, "best": best, "median": median}, fh, indent=1)
+    if args.configs is None:
+        args.configs = NETNS_CONFIGS if args.netns else DEFAULT_CONFIGS
+    if args.worker:
+        worker_main(args)
+        return
+    baseline = args.baseline or ("ddp:fp16" if args.netns and "ddp:fp16" in args.configs
+                                 else "ddp")
+    configs = args.configs.split(",")
+    passthrough = [f"--models={args.models}", f"--configs={args.configs}",
+                   f"--batch-size={args.batch_size}", f"--iters={args.iters}",
+                   f"--warmup={args.warmup}", f"--rounds={args.rounds}",
+                   f"--threads={args.threads}", f"--port={args.port}"]
+    where = (f"{args.np_} simulated hosts x 1 rank, {args.rate} links" if args.netns
+             else f"{args.np_} ranks on one machine")
+    print(f"# training throughput, {where}; batch {args.batch_size}/rank, {args.threads} torch "
+          f"thread(s)/rank, {args.iters} timed steps x {args.rounds} rounds; img/s best "
+          f"(median); ratios: median of per-round ratios", flush=True)
+    rows = launch(args, passthrough, args.np_)
+    print(table(rows, configs, baseline if baseline in configs else configs[-1], args.cpu))
+    result: dict = {"rows": rows}
+    if args.engine_cost:
+        args.netns = False
+        cost = launch(args, [f"--iters={args.iters * 10}", f"--warmup={args.warmup}",
+                             "--engine-cost-only"], 1)
+        us = cost[0]["engine_cost"]["us_per_tensor"]
+        print(f"\nper-tensor engine cost (1 rank, 164 tensors of 410 floats, in-place "
+              f"allreduce_async_ + synchronize): {us:.1f} us per tensor per step")
+        result["engine_cost_us"] = us
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1))
 
 
 if __name__ == "__main__":
-    main()
-    sys.stdout.flush()
-    from mpi4py import MPI
+    if "--worker" in sys.argv:
+        main()
+        sys.stdout.flush()
+        from mpi4py import MPI
 
-    MPI.COMM_WORLD.Barrier()
-    MPI.Finalize()
-    os._exit(0)     # skip DDP/gloo teardown, which can deadlock at interpreter exit
+        MPI.COMM_WORLD.Barrier()
+        MPI.Finalize()
+        os._exit(0)     # skip DDP/gloo teardown, which can deadlock at interpreter exit
+    main()

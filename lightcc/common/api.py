@@ -4,6 +4,12 @@ Every collective has an ``*_async`` form that returns a :class:`~.engine.Handle`
 a blocking form (``synchronize(*_async(...))``). Names identify a tensor across ranks; when
 omitted, one is generated from a per-process-set counter, so ranks must then issue unnamed
 collectives in the same order. Allreduce and reducescatter average by default, as in Horovod.
+
+``ordered=True`` (every collective) puts the call on its process set's *ordered stream*: the
+caller promises that every member issues its ordered calls, of all collective types together,
+in the same order (the torch.distributed contract). They are matched by position, not by name
+(``name`` then only labels the call in errors and the timeline), which skips name negotiation;
+ranks still check that shape, dtype and op agree.
 """
 from __future__ import annotations
 
@@ -319,7 +325,9 @@ def _bad_dtype(arr: np.ndarray, what: str) -> None:
                                 f"{', '.join(sorted(dtypes.SUPPORTED))}")
 
 
-def _name(eng: Engine, coll: Coll, name: str | None, pset: int) -> str:
+def _name(eng: Engine, coll: Coll, name: str | None, pset: int, ordered: bool = False) -> str:
+    if ordered:
+        return eng.ordered_name(pset, name)
     if name is None:
         return eng.auto_name(coll, pset)
     if not isinstance(name, str):
@@ -384,7 +392,8 @@ def _compression_spec(compression: Any) -> str:
 def allreduce_async(array: Any, op: str | None = None, name: str | None = None,
                     prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                     process_set: Any = None, compression: Any = None,
-                    out: np.ndarray | None = None, *, _wake: bool = True) -> Handle:
+                    out: np.ndarray | None = None, *, ordered: bool = False,
+                    _wake: bool = True) -> Handle:
     """Start reducing ``array`` over the process set (default op: Average).
 
     With ``out`` (same shape and dtype), the result is written there (``out`` may be
@@ -395,7 +404,7 @@ def allreduce_async(array: Any, op: str | None = None, name: str | None = None,
     dt = dtypes.name_of(arr.dtype)
     pset = _pset_id(process_set)
     eng.pset(pset)
-    nm = _name(eng, Coll.ALLREDUCE, name, pset)
+    nm = _name(eng, Coll.ALLREDUCE, name, pset, ordered)
     what = f"allreduce '{nm}'"
     op_ = _op(op, Average, what, dt)
     pre, post = _scales(prescale_factor, postscale_factor, dt, what)
@@ -408,13 +417,14 @@ def allreduce_async(array: Any, op: str | None = None, name: str | None = None,
 def allreduce(array: Any, op: str | None = None, name: str | None = None,
               prescale_factor: float = 1.0, postscale_factor: float = 1.0,
               process_set: Any = None, compression: Any = None,
-              out: np.ndarray | None = None) -> np.ndarray:
+              out: np.ndarray | None = None, *, ordered: bool = False) -> np.ndarray:
     """Reduce ``array`` over the process set and return the result (default op: Average).
 
     With ``out`` the result is written there (``out`` may be ``array``) and returned.
     """
     return synchronize(allreduce_async(array, op, name, prescale_factor, postscale_factor,
-                                       process_set, compression, out, _wake=False))
+                                       process_set, compression, out, ordered=ordered,
+                                       _wake=False))
 
 
 class GroupHandle:
@@ -452,33 +462,36 @@ def grouped_allreduce(arrays: Sequence[Any], op: str | None = None, name: str | 
                                                postscale_factor, process_set, compression))
 
 
-def allgather_async(array: Any, name: str | None = None, process_set: Any = None) -> Handle:
+def allgather_async(array: Any, name: str | None = None, process_set: Any = None, *,
+                    ordered: bool = False) -> Handle:
     """Start concatenating every rank's ``array`` along the first dimension (sizes may differ)."""
     eng = _get()
     arr = _as_array(array, "allgather")
     dt = dtypes.name_of(arr.dtype)
     pset = _pset_id(process_set)
     eng.pset(pset)
-    nm = _name(eng, Coll.ALLGATHER, name, pset)
+    nm = _name(eng, Coll.ALLGATHER, name, pset, ordered)
     if arr.ndim == 0:
         raise InvalidArgumentError(f"allgather '{nm}': needs at least one dimension, got a "
                                    f"0-d array (reshape it to (1,))")
     return eng.submit(Request(Coll.ALLGATHER, nm, dt, tuple(arr.shape), pset=pset), arr)
 
 
-def allgather(array: Any, name: str | None = None, process_set: Any = None) -> np.ndarray:
-    return synchronize(allgather_async(array, name, process_set))
+def allgather(array: Any, name: str | None = None, process_set: Any = None, *,
+              ordered: bool = False) -> np.ndarray:
+    return synchronize(allgather_async(array, name, process_set, ordered=ordered))
 
 
 def broadcast_async(array: Any, root_rank: int, name: str | None = None,
-                    process_set: Any = None, out: np.ndarray | None = None) -> Handle:
+                    process_set: Any = None, out: np.ndarray | None = None, *,
+                    ordered: bool = False) -> Handle:
     """Start copying ``root_rank``'s ``array`` to every rank (rank within the process set)."""
     eng = _get()
     arr = _as_array(array, "broadcast")
     dt = dtypes.name_of(arr.dtype)
     pset = _pset_id(process_set)
     members = eng.pset(pset).ranks
-    nm = _name(eng, Coll.BROADCAST, name, pset)
+    nm = _name(eng, Coll.BROADCAST, name, pset, ordered)
     if isinstance(root_rank, (bool, np.bool_)) or not isinstance(root_rank, (int, np.integer)) \
             or not 0 <= int(root_rank) < len(members):
         raise InvalidArgumentError(f"broadcast '{nm}': root_rank {root_rank!r} is out of range "
@@ -489,12 +502,12 @@ def broadcast_async(array: Any, root_rank: int, name: str | None = None,
 
 
 def broadcast(array: Any, root_rank: int, name: str | None = None,
-              process_set: Any = None) -> np.ndarray:
-    return synchronize(broadcast_async(array, root_rank, name, process_set))
+              process_set: Any = None, *, ordered: bool = False) -> np.ndarray:
+    return synchronize(broadcast_async(array, root_rank, name, process_set, ordered=ordered))
 
 
 def alltoall_async(array: Any, splits: Sequence[int] | None = None, name: str | None = None,
-                   process_set: Any = None) -> Handle:
+                   process_set: Any = None, *, ordered: bool = False) -> Handle:
     """Start an all-to-all: rows ``splits[r]`` of ``array`` go to rank r (even split if None).
 
     The result is ``(output, received_splits)`` when ``splits`` is given, else ``output``.
@@ -504,7 +517,7 @@ def alltoall_async(array: Any, splits: Sequence[int] | None = None, name: str | 
     dt = dtypes.name_of(arr.dtype)
     pset = _pset_id(process_set)
     n = len(eng.pset(pset).ranks)
-    nm = _name(eng, Coll.ALLTOALL, name, pset)
+    nm = _name(eng, Coll.ALLTOALL, name, pset, ordered)
     what = f"alltoall '{nm}'"
     if arr.ndim == 0:
         raise InvalidArgumentError(f"{what}: needs at least one dimension")
@@ -532,20 +545,20 @@ def alltoall_async(array: Any, splits: Sequence[int] | None = None, name: str | 
 
 
 def alltoall(array: Any, splits: Sequence[int] | None = None, name: str | None = None,
-             process_set: Any = None) -> Any:
-    return synchronize(alltoall_async(array, splits, name, process_set))
+             process_set: Any = None, *, ordered: bool = False) -> Any:
+    return synchronize(alltoall_async(array, splits, name, process_set, ordered=ordered))
 
 
 def reducescatter_async(array: Any, op: str | None = None, name: str | None = None,
                         process_set: Any = None, prescale_factor: float = 1.0,
-                        postscale_factor: float = 1.0) -> Handle:
+                        postscale_factor: float = 1.0, *, ordered: bool = False) -> Handle:
     """Start reducing ``array`` and scattering its first dimension (earlier ranks get extra)."""
     eng = _get()
     arr = _as_array(array, "reducescatter")
     dt = dtypes.name_of(arr.dtype)
     pset = _pset_id(process_set)
     eng.pset(pset)
-    nm = _name(eng, Coll.REDUCESCATTER, name, pset)
+    nm = _name(eng, Coll.REDUCESCATTER, name, pset, ordered)
     what = f"reducescatter '{nm}'"
     if arr.ndim == 0:
         raise InvalidArgumentError(f"{what}: needs at least one dimension")
@@ -557,17 +570,18 @@ def reducescatter_async(array: Any, op: str | None = None, name: str | None = No
 
 def reducescatter(array: Any, op: str | None = None, name: str | None = None,
                   process_set: Any = None, prescale_factor: float = 1.0,
-                  postscale_factor: float = 1.0) -> np.ndarray:
+                  postscale_factor: float = 1.0, *, ordered: bool = False) -> np.ndarray:
     return synchronize(reducescatter_async(array, op, name, process_set, prescale_factor,
-                                           postscale_factor))
+                                           postscale_factor, ordered=ordered))
 
 
-def barrier(process_set: Any = None) -> None:
+def barrier(process_set: Any = None, *, ordered: bool = False) -> None:
     """Wait until every rank of the process set has called ``barrier``."""
     eng = _get()
     pset = _pset_id(process_set)
     eng.pset(pset)
-    synchronize(eng.submit(Request(Coll.BARRIER, eng.auto_name(Coll.BARRIER, pset), pset=pset)))
+    synchronize(eng.submit(Request(Coll.BARRIER, _name(eng, Coll.BARRIER, None, pset, ordered),
+                                   pset=pset)))
 
 
 def join() -> int:

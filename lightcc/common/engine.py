@@ -175,6 +175,14 @@ class Engine:
             counter = self._counters.setdefault((int(coll), pset), itertools.count())
             return f"{coll.name.lower()}.noname.{next(counter)}"
 
+    def ordered_name(self, pset: int, label: str | None = None) -> str:
+        """Name of the next collective on the process set's ordered stream (shared by every
+        collective type; see ``ordered=`` in the API)."""
+        with self._lock:
+            counter = self._counters.setdefault((-1, pset), itertools.count())
+            n = next(counter)
+        return f"ordered.{n}" if label is None else f"ordered.{n}.{label}"
+
     def set_tracer(self, tracer: Any) -> None:
         """Route trace events of the executor and every communicator to ``tracer``."""
         self.ctx.tracer = tracer
