@@ -25,7 +25,7 @@ from . import dtypes
 from .engine import Engine, Handle
 from .exceptions import (InvalidArgumentError, LightCCError, NotInitializedError,
                          UnsupportedDTypeError)
-from .messages import Coll, Request
+from .messages import SHARED_STREAM, Coll, Request
 
 Sum = "sum"
 Average = "average"
@@ -325,14 +325,23 @@ def _bad_dtype(arr: np.ndarray, what: str) -> None:
                                 f"{', '.join(sorted(dtypes.SUPPORTED))}")
 
 
-def _name(eng: Engine, coll: Coll, name: str | None, pset: int, ordered: bool = False) -> str:
-    if ordered:
-        return eng.ordered_name(pset, name)
-    if name is None:
-        return eng.auto_name(coll, pset)
-    if not isinstance(name, str):
+def _name(eng: Engine, coll: Coll, name: str | None, pset: int,
+          ordered: bool = False) -> tuple[str, int | None, str | None]:
+    """``(name for messages, ordered stream or None, label)``.
+
+    Named calls are matched by name. ``ordered=True`` puts the call on the process set's shared
+    ordered stream (``name`` is then only a label). Unnamed calls go on the ordered stream of
+    their collective type: Horovod generates their names from per-type counters, so they must
+    be issued in the same order on every rank anyway, and matching them by position keeps them
+    in the caches instead of negotiating a new name every time.
+    """
+    if name is not None and not isinstance(name, str):
         raise InvalidArgumentError(f"name must be a str, got {type(name).__name__}")
-    return name
+    if ordered:
+        return (name or "ordered"), SHARED_STREAM, name
+    if name is None:
+        return f"{coll.name.lower()}.noname", int(coll), None
+    return name, None, None
 
 
 def _op(op: Any, default: str, what: str, dtype: str) -> str:
@@ -404,14 +413,14 @@ def allreduce_async(array: Any, op: str | None = None, name: str | None = None,
     dt = dtypes.name_of(arr.dtype)
     pset = _pset_id(process_set)
     eng.pset(pset)
-    nm = _name(eng, Coll.ALLREDUCE, name, pset, ordered)
+    nm, stream, label = _name(eng, Coll.ALLREDUCE, name, pset, ordered)
     what = f"allreduce '{nm}'"
     op_ = _op(op, Average, what, dt)
     pre, post = _scales(prescale_factor, postscale_factor, dt, what)
     _check_out(out, arr, what)
     req = Request(Coll.ALLREDUCE, nm, dt, tuple(arr.shape), op_, -1, pre, post, (),
                   _compression_spec(compression), pset)
-    return eng.submit(req, arr, out, wake=_wake)
+    return eng.submit(req, arr, out, wake=_wake, stream=stream, label=label)
 
 
 def allreduce(array: Any, op: str | None = None, name: str | None = None,
@@ -446,13 +455,12 @@ def grouped_allreduce_async(arrays: Sequence[Any], op: str | None = None,
                             compression: Any = None,
                             outs: Sequence[np.ndarray] | None = None) -> GroupHandle:
     """Allreduce a list of arrays as one group (fused together when they fit)."""
-    eng = _get()
-    pset = _pset_id(process_set)
-    base = _name(eng, Coll.ALLREDUCE, name, pset)
+    _get()
     outs = list(outs) if outs is not None else [None] * len(arrays)
-    return GroupHandle([allreduce_async(a, op, f"{base}.{i}", prescale_factor,
-                                        postscale_factor, process_set, compression, o)
-                        for i, (a, o) in enumerate(zip(arrays, outs))])
+    names = [None if name is None else f"{name}.{i}" for i in range(len(arrays))]
+    return GroupHandle([allreduce_async(a, op, nm, prescale_factor, postscale_factor,
+                                        process_set, compression, o)
+                        for nm, a, o in zip(names, arrays, outs)])
 
 
 def grouped_allreduce(arrays: Sequence[Any], op: str | None = None, name: str | None = None,
@@ -470,11 +478,12 @@ def allgather_async(array: Any, name: str | None = None, process_set: Any = None
     dt = dtypes.name_of(arr.dtype)
     pset = _pset_id(process_set)
     eng.pset(pset)
-    nm = _name(eng, Coll.ALLGATHER, name, pset, ordered)
+    nm, stream, label = _name(eng, Coll.ALLGATHER, name, pset, ordered)
     if arr.ndim == 0:
         raise InvalidArgumentError(f"allgather '{nm}': needs at least one dimension, got a "
                                    f"0-d array (reshape it to (1,))")
-    return eng.submit(Request(Coll.ALLGATHER, nm, dt, tuple(arr.shape), pset=pset), arr)
+    return eng.submit(Request(Coll.ALLGATHER, nm, dt, tuple(arr.shape), pset=pset), arr,
+                      stream=stream, label=label)
 
 
 def allgather(array: Any, name: str | None = None, process_set: Any = None, *,
@@ -491,14 +500,15 @@ def broadcast_async(array: Any, root_rank: int, name: str | None = None,
     dt = dtypes.name_of(arr.dtype)
     pset = _pset_id(process_set)
     members = eng.pset(pset).ranks
-    nm = _name(eng, Coll.BROADCAST, name, pset, ordered)
+    nm, stream, label = _name(eng, Coll.BROADCAST, name, pset, ordered)
     if isinstance(root_rank, (bool, np.bool_)) or not isinstance(root_rank, (int, np.integer)) \
             or not 0 <= int(root_rank) < len(members):
         raise InvalidArgumentError(f"broadcast '{nm}': root_rank {root_rank!r} is out of range "
                                    f"for a process set of {len(members)} ranks")
     _check_out(out, arr, f"broadcast '{nm}'")
     return eng.submit(Request(Coll.BROADCAST, nm, dt, tuple(arr.shape), root=int(root_rank),
-                              pset=pset), arr, out)
+                              pset=pset), arr, out, stream=stream,
+                      label=label)
 
 
 def broadcast(array: Any, root_rank: int, name: str | None = None,
@@ -517,7 +527,7 @@ def alltoall_async(array: Any, splits: Sequence[int] | None = None, name: str | 
     dt = dtypes.name_of(arr.dtype)
     pset = _pset_id(process_set)
     n = len(eng.pset(pset).ranks)
-    nm = _name(eng, Coll.ALLTOALL, name, pset, ordered)
+    nm, stream, label = _name(eng, Coll.ALLTOALL, name, pset, ordered)
     what = f"alltoall '{nm}'"
     if arr.ndim == 0:
         raise InvalidArgumentError(f"{what}: needs at least one dimension")
@@ -538,7 +548,8 @@ def alltoall_async(array: Any, splits: Sequence[int] | None = None, name: str | 
             raise InvalidArgumentError(f"{what}: splits {list(split_list)} must be >= 0 and "
                                        f"sum to the first dimension {arr.shape[0]}")
     handle = eng.submit(Request(Coll.ALLTOALL, nm, dt, tuple(arr.shape), splits=split_list,
-                                pset=pset), arr)
+                                pset=pset), arr,
+                        stream=stream, label=label)
     if splits is None:
         return _Derived(handle, lambda res: res[0])
     return handle
@@ -558,14 +569,15 @@ def reducescatter_async(array: Any, op: str | None = None, name: str | None = No
     dt = dtypes.name_of(arr.dtype)
     pset = _pset_id(process_set)
     eng.pset(pset)
-    nm = _name(eng, Coll.REDUCESCATTER, name, pset, ordered)
+    nm, stream, label = _name(eng, Coll.REDUCESCATTER, name, pset, ordered)
     what = f"reducescatter '{nm}'"
     if arr.ndim == 0:
         raise InvalidArgumentError(f"{what}: needs at least one dimension")
     op_ = _op(op, Average, what, dt)
     pre, post = _scales(prescale_factor, postscale_factor, dt, what)
     return eng.submit(Request(Coll.REDUCESCATTER, nm, dt, tuple(arr.shape), op_, -1, pre, post,
-                              pset=pset), arr)
+                              pset=pset), arr,
+                      stream=stream, label=label)
 
 
 def reducescatter(array: Any, op: str | None = None, name: str | None = None,
@@ -580,8 +592,9 @@ def barrier(process_set: Any = None, *, ordered: bool = False) -> None:
     eng = _get()
     pset = _pset_id(process_set)
     eng.pset(pset)
-    synchronize(eng.submit(Request(Coll.BARRIER, _name(eng, Coll.BARRIER, None, pset, ordered),
-                                   pset=pset)))
+    nm, stream, label = _name(eng, Coll.BARRIER, None, pset, ordered)
+    synchronize(eng.submit(Request(Coll.BARRIER, nm, pset=pset), stream=stream, label=label,
+                           wake=False))
 
 
 def join() -> int:

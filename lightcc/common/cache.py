@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from .messages import Coll, Request, Response
+from .messages import Coll, Request, Response, signature
 
 _CACHEABLE = (Coll.ALLREDUCE, Coll.ALLGATHER, Coll.BROADCAST, Coll.ALLTOALL, Coll.REDUCESCATTER)
 
@@ -70,3 +70,37 @@ class ResponseCache:
 
     def ids(self) -> Sequence[int]:
         return list(self._by_key.values())
+
+
+class SignatureCache:
+    """id -> Response for ordered requests, looked up by signature (request minus its label).
+
+    Filled in batch order on every rank, like :class:`ResponseCache`, so ids agree everywhere.
+    A signature seen again with other per-rank data (an allgather whose first dimensions
+    changed on another rank) gets a new id; the table stops growing at ``4 * capacity`` ids.
+    """
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = int(capacity)
+        self._entries: list[Response] = []
+        self._by_sig: dict[Request, int] = {}
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def add(self, resp: Response, my_index: int | None) -> int:
+        """Insert ``resp`` (if cacheable and there is room); returns its id or -1."""
+        if not ResponseCache.cacheable(resp) or len(self._entries) >= 4 * self.capacity:
+            return -1
+        new_id = len(self._entries)
+        self._entries.append(resp)
+        if my_index is not None:
+            self._by_sig[signature(resp.request_of(my_index))] = new_id
+        return new_id
+
+    def lookup(self, sig: Request) -> int:
+        """The id of a cached response matching this rank's signature ``sig``, or -1."""
+        return self._by_sig.get(sig, -1)
+
+    def get(self, cache_id: int) -> Response:
+        return self._entries[cache_id]

@@ -139,6 +139,11 @@ KNOBS: tuple[Knob, ...] = (
          "algorithms were 3-4x slower here). 0 = one call.", _min(0)),
     Knob("num_links", "LCC_NUM_LINKS", _parse_int, 2, "",
          "Parallel TCP links per peer pair (Open MPI btl_tcp_links), set by lccrun.", _min(1)),
+    Knob("overlap", "LCC_OVERLAP", lambda t: t.strip().lower(), "auto", "",
+         "When collectives start: 1 = in the background as soon as submitted (overlaps "
+         "communication with compute); 0 = when a thread waits for them (lazy); auto = lazy "
+         "only on a single host with fewer than 2 usable cores per rank, where background "
+         "shared-memory collectives starve for CPU.", _choice(("auto", "0", "1"))),
     Knob("backend", "LCC_BACKEND", lambda t: t.strip().lower(), "auto", "",
          "Communicator backend for device arrays: auto, mpi, nccl.", _choice(BACKENDS)),
     Knob("cpu_reduce", "LCC_CPU_REDUCE", _parse_bool, False, "",
@@ -155,6 +160,10 @@ KNOBS: tuple[Knob, ...] = (
          "CSV file with every autotuner sample.", ),
     Knob("autotune_cache", "LCC_AUTOTUNE_CACHE", _parse_str, "", "path",
          "Autotuner result cache (default: ~/.cache/lightcc/autotune.json).", ),
+    Knob("control_addr", "LCC_CONTROL_ADDR", _parse_str, "", "",
+         "Address, host name or network interface of rank 0's host that the other ranks "
+         "connect to for lightcc's control messages (TCP). Default: loopback on rank 0's host, "
+         "else every address of rank 0's interfaces in turn."),
     Knob("shutdown_timeout", "LCC_SHUTDOWN_TIMEOUT", _parse_float, 30.0, "s",
          "How long shutdown() waits for the background thread before giving up.", _min(0.0)),
 )
@@ -184,6 +193,7 @@ class Config:
     ring_chunk_bytes: int
     mpi_chunk_bytes: int
     num_links: int
+    overlap: str
     backend: str
     cpu_reduce: bool
     timeline: str
@@ -191,6 +201,7 @@ class Config:
     autotune: str
     autotune_log: str
     autotune_cache: str
+    control_addr: str
     shutdown_timeout: float
 
     def replace(self, **changes: Any) -> "Config":

@@ -1,11 +1,24 @@
 """Negotiation as pure logic: requests from all ranks -> ordered responses.
 
-The :class:`Coordinator` runs on rank 0 inside the engine thread but does no communication:
-the engine feeds it each rank's :class:`~.messages.RankMessage` and asks :meth:`tick` for the
-next :class:`~.messages.Batch`. It decides which tensors are ready on every rank, validates
-that the ranks agree (shape, dtype, op, root, scale factors, compressor, collective type),
-holds small ready tensors up to the cycle time while others are still arriving (so they can
-be fused), reports stalls, and tracks join() and process sets. Unit-tested without MPI.
+The :class:`Coordinator` runs on rank 0 inside the engine but does no communication: the engine
+feeds it each rank's :class:`~.messages.RankMessage` and asks :meth:`Coordinator.tick` for the
+next :class:`~.messages.Batch`. It decides which tensors are ready on every rank, validates that
+the ranks agree (shape, dtype, op, root, scale factors, compressor, collective type), holds small
+ready tensors up to the cycle time while others are still arriving (so they can be fused),
+reports stalls, and tracks join() and process sets. Unit-tested without MPI.
+
+Two ways to match requests across ranks:
+
+- **by name** (Horovod's model): key ``(collective type, process set, name)``; ranks may submit
+  in any order. A request already agreed on travels as its response-cache id.
+- **by position** on an *ordered stream* (torch.distributed's model, and Horovod's unnamed
+  collectives): key ``(ORDERED, process set, stream, seq)``, where ``seq`` counts a rank's
+  requests on that stream. No names are needed; a request whose signature was agreed before
+  travels as its signature-cache id.
+
+The work per message and per tick is proportional to what arrived and what became ready, not to
+everything pending: readiness is tracked as requests arrive, and the scan for stalls, departed
+ranks and joins runs at most once a second (or when a rank joins or leaves).
 """
 from __future__ import annotations
 
@@ -14,10 +27,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from .cache import ResponseCache
-from .messages import COLL_NAMES, Batch, Coll, RankMessage, Request, Response
+from .cache import ResponseCache, SignatureCache
+from .messages import (COLL_NAMES, ORDERED, Batch, Coll, OrderedItem, RankMessage, Request,
+                       Response)
 
 JOIN_OK = (Coll.ALLREDUCE, Coll.ALLGATHER, Coll.BARRIER)
+SCAN_PERIOD_S = 1.0     # longest time between two scans for stalls
 
 
 @dataclass
@@ -34,6 +49,10 @@ def _fmt_ranks(ranks) -> str:
     return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranks}"
 
 
+def _is_ordered(key: tuple) -> bool:
+    return key[0] == ORDERED
+
+
 class Coordinator:
     """Rank 0's decision maker (see module docstring). Times are seconds."""
 
@@ -42,6 +61,7 @@ class Coordinator:
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.size = size
         self.cache = ResponseCache(cache_capacity)
+        self.sigcache = SignatureCache(cache_capacity)
         self.cycle_time = cycle_time
         self.fusion_threshold = fusion_threshold
         self.stall_check = stall_check
@@ -52,8 +72,17 @@ class Coordinator:
         self.pending: dict[tuple, _Pending] = {}
         self.joined: list[int] = []
         self.gone: set[int] = set()
+        self.lost: set[int] = set()          # gone without a shutdown message (exited, died)
         self.pending_settings: dict = {}
         self.warnings: list[str] = []
+        self._ready: dict[tuple, None] = {}          # complete keys, in completion order
+        self._ready_bytes = 0
+        self._ready_urgent = False                    # a ready non-allreduce: flush at once
+        self._names: dict[tuple[int, str], set[int]] = {}   # (pset, name) -> pending types
+        self._suspects: set[tuple[int, str]] = set()        # names pending under 2+ types
+        self._next_seq: dict[tuple[int, int, int], int] = {}  # (rank, pset, stream) -> seq
+        self._rescan = False
+        self._next_scan = -math.inf
 
     # -- input ------------------------------------------------------------------------------
     def receive(self, rank: int, msg: RankMessage) -> None:
@@ -61,23 +90,67 @@ class Coordinator:
         now = self.clock()
         for cid in msg.cached:
             resp = self.cache.get(cid)
-            members = self.psets.get(resp.request.pset, ())
-            index = members.index(rank) if rank in members else 0
-            self._add(rank, resp.request_of(index), cid, now)
+            self._add(rank, resp.request_of(self._index(resp.request.pset, rank)), cid, now,
+                      None)
         for req in msg.requests:
-            self._add(rank, req, -1, now)
-        if msg.shutdown:
+            self._add(rank, req, -1, now, None)
+        for pset, stream, payload in msg.ordered:
+            k = (rank, pset, stream)
+            seq = self._next_seq.get(k, 0)
+            self._next_seq[k] = seq + 1
+            key = (ORDERED, pset, stream, seq)
+            if isinstance(payload, int):
+                resp = self.sigcache.get(payload)
+                self._add(rank, resp.request_of(self._index(pset, rank)), payload, now, key)
+            else:
+                self._add(rank, payload, -1, now, key)
+        if msg.shutdown and rank not in self.gone:
             self.gone.add(rank)
+            self._rescan = True
 
-    def _add(self, rank: int, req: Request, cid: int, now: float) -> None:
+    def lose(self, rank: int) -> None:
+        """``rank``'s connection ended without a shutdown message (the process is gone)."""
+        if rank not in self.gone:
+            self.lost.add(rank)
+            self.gone.add(rank)
+            self._rescan = True
+
+    def _index(self, pset: int, rank: int) -> int:
+        members = self.psets.get(pset, ())
+        return members.index(rank) if rank in members else 0
+
+    def _add(self, rank: int, req: Request, cid: int, now: float, key: tuple | None) -> None:
         if req.coll == Coll.JOIN:
             if rank not in self.joined:
                 self.joined.append(rank)
+                self._rescan = True
             return
-        entry = self.pending.setdefault(req.key, _Pending(first_seen=now))
+        if key is None:
+            key = req.key
+            names = self._names.setdefault((req.pset, req.name), set())
+            names.add(int(req.coll))
+            if len(names) > 1 and req.coll not in (Coll.BARRIER, Coll.ADD_PSET,
+                                                    Coll.REMOVE_PSET):
+                self._suspects.add((req.pset, req.name))
+        entry = self.pending.get(key)
+        if entry is None:
+            entry = self.pending[key] = _Pending(first_seen=now)
         entry.reqs[rank] = req
         if cid >= 0:
             entry.ids[rank] = cid
+        if entry.ready_at is None and not self._missing(key, entry)[0]:
+            self._mark_ready(key, entry, now)
+
+    def _mark_ready(self, key: tuple, entry: _Pending, now: float) -> None:
+        if self._missing(key, entry)[1]:
+            return       # a member shut down: the scan turns it into an error
+        entry.ready_at = now
+        self._ready[key] = None
+        req = next(iter(entry.reqs.values()))
+        if req.coll == Coll.ALLREDUCE:
+            self._ready_bytes += req.nbytes
+        else:
+            self._ready_urgent = True
 
     # -- decisions --------------------------------------------------------------------------
     def _missing(self, key: tuple, entry: _Pending) -> tuple[set[int], set[int]]:
@@ -85,76 +158,101 @@ class Coordinator:
         members = self.psets.get(key[1])
         if members is None:
             return set(), set()
-        present = set(entry.reqs)
-        joined = set(self.joined) if key[1] == 0 and key[0] in JOIN_OK else set()
-        missing = set(members) - present - joined
+        present = entry.reqs.keys()
+        if len(present) == len(members) and not self.gone:
+            return set(), set()
+        coll = next(iter(entry.reqs.values())).coll if entry.reqs else Coll.ALLREDUCE
+        joined = set(self.joined) if key[1] == 0 and coll in JOIN_OK else set()
+        missing = set(members) - set(present) - joined
         return missing - self.gone, missing & self.gone
+
+    def next_deadline(self) -> float:
+        """Seconds until :meth:`tick` has something time-driven to do (hold expiry, scan)."""
+        now = self.clock()
+        wait = self._next_scan - now if self.pending else math.inf
+        if self._ready:
+            first = self.pending.get(next(iter(self._ready)))
+            if first is not None and first.ready_at is not None:
+                wait = min(wait, first.ready_at + self.cycle_time - now)
+        if self._rescan or self._suspects or self.pending_settings:
+            wait = 0.0
+        return max(wait, 0.0)
 
     def tick(self) -> Batch | None:
         """The next batch to execute, or None when nothing should be sent now."""
         now = self.clock()
         self.warnings = []
-        errors: list[Response] = self._type_mismatches()
-        ready: list[tuple] = []
-        partial = False
-        for key, entry in self.pending.items():
-            missing, gone = self._missing(key, entry)
-            if gone:
-                errors.append(self._error(entry, "shutdown",
-                                          f"{_fmt_ranks(gone)} shut down before submitting it"))
-            elif missing and key[1] == 0 and key[0] not in JOIN_OK and \
-                    missing <= set(self.joined):
-                errors.append(self._error(entry, "join",
-                                          f"{_fmt_ranks(missing)} called join(); only allreduce "
-                                          f"and allgather work while ranks are joined"))
-            elif not missing:
-                if entry.ready_at is None:
-                    entry.ready_at = now
-                ready.append(key)
-            else:
-                partial = True
-                self._check_stall(key, entry, missing, now, errors)
-        for resp in errors:
-            self.pending.pop(resp.request.key, None)
-        ready = [k for k in ready if k in self.pending]
-        ready.sort(key=lambda k: self.pending[k].ready_at)
-        if ready and partial and not self._must_flush(ready, now):
-            ready = []
-        items: list = [*errors]
+        errors: list = self._type_mismatches() if self._suspects else []
+        if self._rescan or now >= self._next_scan:
+            self._scan(now, errors)
+        for item in errors:
+            key = self._error_key(item)
+            entry = self.pending.pop(key, None)
+            if entry is not None and entry.ready_at is not None:
+                self._unready(key, entry)
+        items: list = [self._error_item(e) for e in errors]
         batch_joined = tuple(sorted(self.joined))
-        for key in ready:
-            items.append(self._respond(key, self.pending.pop(key), batch_joined))
+        if self._ready and (len(self._ready) == len(self.pending) or self._must_flush(now)):
+            ready = list(self._ready)
+            self._ready.clear()
+            self._ready_bytes = 0
+            self._ready_urgent = False
+            for key in ready:
+                items.append(self._respond(key, self.pending.pop(key), batch_joined))
         alive = set(range(self.size)) - self.gone
         if self.joined and alive <= set(self.joined):
-            req = Request(Coll.JOIN, "join")
-            items.append(Response(req, value=self.joined[-1]))
+            items.append(Response(Request(Coll.JOIN, "join"), value=self.joined[-1]))
             self.joined = []
+            self._rescan = True
         if not items and not self.pending_settings:
             return None
         batch = Batch(items=items, joined=batch_joined, settings=self.pending_settings)
         self.pending_settings = {}
         return batch
 
-    def _must_flush(self, ready: list[tuple], now: float) -> bool:
-        waited = now - min(self.pending[k].ready_at for k in ready)
-        if waited >= self.cycle_time:
-            return True
-        nbytes = 0
-        for k in ready:
-            req = next(iter(self.pending[k].reqs.values()))
-            if req.coll != Coll.ALLREDUCE:
-                return True
-            nbytes += req.nbytes
-        return nbytes >= self.fusion_threshold
+    def _must_flush(self, now: float) -> bool:
+        first = self.pending[next(iter(self._ready))]
+        return (self._ready_urgent or now - first.ready_at >= self.cycle_time
+                or self._ready_bytes >= self.fusion_threshold)
+
+    def _unready(self, key: tuple, entry: _Pending) -> None:
+        self._ready.pop(key, None)
+        req = next(iter(entry.reqs.values()))
+        if req.coll == Coll.ALLREDUCE:
+            self._ready_bytes -= req.nbytes
+
+    def _scan(self, now: float, errors: list) -> None:
+        """Stalls, ranks that left, joins: one pass over everything pending."""
+        self._rescan = False
+        self._next_scan = now + min(SCAN_PERIOD_S, self.stall_check or SCAN_PERIOD_S)
+        for key, entry in self.pending.items():
+            missing, gone = self._missing(key, entry)
+            if gone:
+                how = ("exited or lost its connection" if gone <= self.lost
+                       else "shut down")
+                errors.append((key, self._error(entry, key, "shutdown",
+                                                f"{_fmt_ranks(gone)} {how} before "
+                                                f"submitting it")))
+            elif missing and key[1] == 0 and missing <= set(self.joined):
+                errors.append((key, self._error(entry, key, "join",
+                                                f"{_fmt_ranks(missing)} called join(); only "
+                                                f"allreduce and allgather work while ranks are "
+                                                f"joined")))
+            elif not missing:
+                if entry.ready_at is None:
+                    self._mark_ready(key, entry, now)
+            else:
+                self._check_stall(key, entry, missing, now, errors)
 
     def _check_stall(self, key: tuple, entry: _Pending, missing: set[int], now: float,
-                     errors: list[Response]) -> None:
+                     errors: list) -> None:
         age = now - entry.first_seen
-        desc = next(iter(entry.reqs.values())).describe()
+        desc = self._describe(key, entry)
         if self.stall_shutdown > 0 and age >= self.stall_shutdown:
-            errors.append(self._error(entry, "stall",
-                                      f"stalled for {age:.1f} s: submitted by "
-                                      f"{_fmt_ranks(entry.reqs)}, never by {_fmt_ranks(missing)}"))
+            errors.append((key, self._error(entry, key, "stall",
+                                            f"stalled for {age:.1f} s: submitted by "
+                                            f"{_fmt_ranks(entry.reqs)}, never by "
+                                            f"{_fmt_ranks(missing)}")))
         elif self.stall_check > 0 and age >= self.stall_check and \
                 now - entry.warned_at >= self.stall_check:
             entry.warned_at = now
@@ -162,15 +260,14 @@ class Coordinator:
                 f"stall: {desc} has waited {age:.1f} s; ready on {_fmt_ranks(entry.reqs)}, "
                 f"missing {_fmt_ranks(missing)}")
 
-    def _type_mismatches(self) -> list[Response]:
+    def _type_mismatches(self) -> list:
         """Errors for names that every member submitted, but under different collective types."""
-        by_name: dict[tuple[int, str], list[tuple]] = {}
-        for key in self.pending:
-            if key[0] not in (Coll.BARRIER, Coll.ADD_PSET, Coll.REMOVE_PSET):
-                by_name.setdefault((key[1], key[2]), []).append(key)
         errors = []
-        for (pset, name), keys in by_name.items():
+        for pset, name in list(self._suspects):
+            keys = [(t, pset, name) for t in self._names.get((pset, name), ())
+                    if (t, pset, name) in self.pending]
             if len(keys) < 2:
+                self._suspects.discard((pset, name))
                 continue
             members = set(self.psets.get(pset, ()))
             entries = [self.pending[k] for k in keys]
@@ -178,34 +275,65 @@ class Coordinator:
                 continue  # one type is complete: a legitimate reuse of the name
             if members - set().union(*(set(e.reqs) for e in entries)):
                 continue
+            self._suspects.discard((pset, name))
             detail = "; ".join(f"{_fmt_ranks(e.reqs)} submitted {COLL_NAMES[Coll(k[0])]}"
                                for k, e in zip(keys, entries))
-            for e in entries:
-                errors.append(self._error(e, "mismatch",
-                                          f"collective type differs across ranks: {detail}"))
+            for k, e in zip(keys, entries):
+                errors.append((k, self._error(e, k, "mismatch",
+                                              f"collective type differs across ranks: {detail}")))
         return errors
 
-    def _error(self, entry: _Pending, kind: str, text: str) -> Response:
+    def _describe(self, key: tuple, entry: _Pending) -> str:
+        return next(iter(entry.reqs.values())).describe()
+
+    def _error(self, entry: _Pending, key: tuple, kind: str, text: str) -> Response:
         ref = next(iter(entry.reqs.values()))
         return Response(ref, error=f"{ref.describe()}: {text}", error_kind=kind)
 
-    def _respond(self, key: tuple, entry: _Pending, joined: tuple[int, ...]) -> int | Response:
+    @staticmethod
+    def _error_key(item: tuple) -> tuple:
+        return item[0]
+
+    def _error_item(self, item: tuple):
+        key, resp = item
+        self._forget_name(key)
+        if _is_ordered(key):
+            return OrderedItem(key[1], key[2], resp)
+        return resp
+
+    def _forget_name(self, key: tuple) -> None:
+        if not _is_ordered(key):
+            types = self._names.get((key[1], key[2]))
+            if types is not None:
+                types.discard(key[0])
+                if not types:
+                    del self._names[(key[1], key[2])]
+
+    def _respond(self, key: tuple, entry: _Pending, joined: tuple[int, ...]):
+        self._forget_name(key)
         members = self.psets[key[1]]
+        ordered = _is_ordered(key)
+        cache = self.sigcache if ordered else self.cache
+        joined_here = joined if key[1] == 0 else ()
+        if ordered and joined_here:
+            for r in joined_here:       # a joined rank skips this request: keep it in step
+                k = (r, key[1], key[2])
+                self._next_seq[k] = max(self._next_seq.get(k, 0), key[3] + 1)
         ids = set(entry.ids.values())
         if not joined and len(ids) == 1 and len(entry.ids) == len(entry.reqs) == len(members):
-            return ids.pop()
-        resp = validate(members, entry.reqs, joined if key[1] == 0 else ())
-        if resp.error:
-            return resp
-        if resp.request.coll == Coll.ADD_PSET:
-            resp = Response(resp.request, value=self._next_pset)
-            self.psets[self._next_pset] = tuple(resp.request.splits)
-            self._next_pset += 1
-        elif resp.request.coll == Coll.REMOVE_PSET:
-            self.psets.pop(resp.request.root, None)
-        if not joined:
-            self.cache.add(resp, None)
-        return resp
+            cid = ids.pop()
+            return OrderedItem(key[1], key[2], cid) if ordered else cid
+        resp = validate(members, entry.reqs, joined_here)
+        if not resp.error:
+            if resp.request.coll == Coll.ADD_PSET:
+                resp = Response(resp.request, value=self._next_pset)
+                self.psets[self._next_pset] = tuple(resp.request.splits)
+                self._next_pset += 1
+            elif resp.request.coll == Coll.REMOVE_PSET:
+                self.psets.pop(resp.request.root, None)
+            if not joined:
+                cache.add(resp, None)
+        return OrderedItem(key[1], key[2], resp) if ordered else resp
 
 
 def _shape(s: tuple) -> str:
@@ -222,7 +350,8 @@ def validate(members: tuple[int, ...], reqs: dict[int, Request],
         return Response(ref, error=f"{ref.describe()}: {_fmt_ranks(joined)} called join(); "
                                    f"only allreduce and allgather work while ranks are joined",
                         error_kind="join")
-    checks = [("dtype", lambda q: q.dtype, str), ("op", lambda q: q.op, str),
+    checks = [("collective", lambda q: COLL_NAMES[q.coll], str),
+              ("dtype", lambda q: q.dtype, str), ("op", lambda q: q.op, str),
               ("prescale factor", lambda q: q.prescale, str),
               ("postscale factor", lambda q: q.postscale, str),
               ("compression", lambda q: q.compression, str)]

@@ -1,17 +1,20 @@
 """The background thread: queue, negotiation messages, execution, handles, lifecycle.
 
 One :class:`Engine` per ``init()``. User threads call :meth:`Engine.submit`, which checks what
-can be checked locally and queues the request; the engine thread is the only thread that
-talks MPI. Its loop:
+can be checked locally and queues the request. Whichever thread holds the progress lock (the
+background thread, or a user thread waiting in ``synchronize()``, which then drives progress
+itself) runs :meth:`Engine._step`:
 
-1. drain the queue and tell the coordinator (rank 0) what is new, as response-cache ids
-   when the same request was agreed before (a few bytes), else as full requests;
+1. tell the coordinator (rank 0) what is new, over the control plane (transport.py): response-
+   or signature-cache ids when the same request was agreed before (a few bytes), else full
+   requests;
 2. on rank 0, feed every rank's messages to the :class:`~.controller.Coordinator` and send
    the batch it decides on to every rank;
 3. execute each batch in order (the same order on every rank), then complete the handles.
 
-The thread sleeps on an event that ``submit`` sets, so a lone request starts at once; while
-waiting for other ranks it polls with a short back-off (at most 1 ms between polls).
+Nothing polls: with nothing to do, the stepping thread blocks in the kernel on the control
+plane's sockets until a message arrives, a submission wakes it, or the coordinator's next
+deadline (cycle time, stall scan) passes. So lightcc's waiting costs no CPU that training needs.
 """
 from __future__ import annotations
 
@@ -19,26 +22,64 @@ import itertools
 import logging
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
 from . import executor, fusion
 from .backends.mpi import MPICommunicator
-from .cache import ResponseCache
+from .cache import ResponseCache, SignatureCache
 from .config import Config
 from .controller import Coordinator
 from .exceptions import (CollectiveError, DuplicateNameError, InvalidArgumentError,
                          LightCCError, MismatchError, ShutdownError, StallError)
-from .messages import Batch, Coll, RankMessage, Request, Response
+from .messages import (COLL_NAMES, ORDERED, SHARED_STREAM, Batch, Coll, OrderedItem,
+                       RankMessage, Request, Response, signature)
 from .topology import Topology, build
+from .transport import ControlPlane
 
 log = logging.getLogger("lightcc")
 
-TAG_REQUEST = 7101
-TAG_BATCH = 7102
-IDLE_POLL_S = 0.02      # how often an idle engine looks for control messages
-MAX_BACKOFF_S = 0.001   # longest sleep between polls while waiting for other ranks
-DRIVER_SPIN_S = 0.002   # a thread blocked in synchronize() busy-polls this long first
+MAX_WAIT_S = 1.0            # longest single block in the kernel (stops are also woken)
+LAZY_FLUSH_S = 0.05         # lazy mode: the background thread sends what waited this long
+DRIVER_LOCK_WAIT_S = 0.002  # a driver that finds another thread stepping re-checks this often
+
+
+def overlap_in_background(setting: str, topo: Topology) -> bool:
+    """Whether the background thread starts collectives as soon as they are submitted.
+
+    ``LCC_OVERLAP=1``: yes. ``0`` (*lazy*): collectives start when a thread waits for them
+    (``synchronize()``, ``DistributedOptimizer.step()``), so every rank runs them from a thread
+    that has nothing else to do. ``auto``: lazy only when the whole job is on one host and that
+    host has fewer than two usable cores per rank. There, overlapping buys nothing (the cores
+    are busy computing) and costs a lot: a shared-memory collective progresses only while the
+    threads of all ranks are on a core at the same time, which a fully loaded host grants in
+    scheduler time slices, so a 1 MB allreduce took 7-18 ms instead of 0.3 ms (docs/torch.md).
+    """
+    if setting in ("1", "on", "true"):
+        return True
+    if setting in ("0", "off", "false"):
+        return False
+    try:
+        import os
+
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        import os
+
+        cores = os.cpu_count() or 1
+    return topo.num_nodes > 1 or cores >= 2 * topo.local_size
+
+
+def _stream_name(coll: Coll, stream: int, seq: int, label: str | None) -> str:
+    """The name of an ordered request: its label, else Horovod's generated name for per-type
+    streams (``allreduce.noname.7``) or ``ordered.7`` on the shared stream."""
+    if label is not None:
+        return label
+    if stream == SHARED_STREAM:
+        return f"ordered.{seq}"
+    return f"{COLL_NAMES[Coll(stream)]}.noname.{seq}"
+
 
 _ERROR_TYPES = {"mismatch": MismatchError, "stall": StallError, "shutdown": ShutdownError,
                 "join": MismatchError}
@@ -132,18 +173,15 @@ class Engine:
 
     def __init__(self, config: Config, mpi_comm: Any, hostnames: list[str]) -> None:
         self.config = config
-        from mpi4py import MPI
-
-        self._MPI = MPI
-        self._status = MPI.Status()
-        self._ctrl = mpi_comm.Dup()
         world = MPICommunicator(mpi_comm.Dup(), "world")
         self.hostnames = hostnames
         self.topo = build(world, hostnames, config.local_size)
         self.rank, self.size = world.rank, world.size
+        self._plane = ControlPlane(mpi_comm, hostnames, config.control_addr)
         self.psets: dict[int, ProcessSetInfo] = {0: ProcessSetInfo(tuple(range(self.size)),
                                                                    self.topo)}
         self.cache = ResponseCache(config.cache_capacity)
+        self.sigcache = SignatureCache(config.cache_capacity)
         self.coordinator = (Coordinator(self.size, config.cache_capacity,
                                         config.cycle_time / 1000.0, config.fusion_threshold,
                                         config.stall_check_time, config.stall_shutdown_time)
@@ -152,18 +190,23 @@ class Engine:
                                         algorithm=config.algorithm,
                                         min_compress_bytes=config.min_compress_bytes)
         self.fusion_threshold = config.fusion_threshold
-        self._lock = threading.Lock()
-        self._progress = threading.Lock()   # serializes _step(): every MPI call is under it
-        self._driver_waiting = 0            # user threads currently driving progress
-        self._wake = threading.Event()
-        self._queue: list[tuple[executor.LocalEntry, Request]] = []
+        self._lock = threading.Lock()        # queue, in-flight table, sequence numbers
+        self._progress = threading.Lock()    # serializes _step(): every MPI call is under it
+        self._cv = threading.Condition()     # guards _drivers
+        self._drivers = 0                    # user threads currently driving progress
+        self._sleeping = False               # a thread is (about to be) blocked in poll()
+        self._queue: list[executor.LocalEntry] = []
         self._inflight: dict[tuple, executor.LocalEntry] = {}
+        self._streams: dict[tuple[int, int], deque] = {}   # (pset, stream) -> entries
+        self._seq: dict[tuple[int, int], int] = {}          # (pset, stream) -> next seq
         self._joined = False
-        self._sends: list[tuple[Any, bytes]] = []
         self._stopping = False
         self._dead: BaseException | None = None
         self._coordinator_gone = ""
+        self._closed_seen: set[int] = set()
         self._counters: dict[tuple[int, int], itertools.count] = {}
+        self.lazy = not overlap_in_background(config.overlap, self.topo)
+        self._queued_at = 0.0                # when the oldest queued entry was queued
         self.listeners: list = []      # callables(event: str, **info), e.g. the autotuner
         self._thread = threading.Thread(target=self._run, name="lightcc-engine", daemon=True)
         self._thread.start()
@@ -174,14 +217,6 @@ class Engine:
         with self._lock:
             counter = self._counters.setdefault((int(coll), pset), itertools.count())
             return f"{coll.name.lower()}.noname.{next(counter)}"
-
-    def ordered_name(self, pset: int, label: str | None = None) -> str:
-        """Name of the next collective on the process set's ordered stream (shared by every
-        collective type; see ``ordered=`` in the API)."""
-        with self._lock:
-            counter = self._counters.setdefault((-1, pset), itertools.count())
-            n = next(counter)
-        return f"ordered.{n}" if label is None else f"ordered.{n}.{label}"
 
     def set_tracer(self, tracer: Any) -> None:
         """Route trace events of the executor and every communicator to ``tracer``."""
@@ -199,22 +234,41 @@ class Engine:
         return info
 
     def submit(self, request: Request, array: Any = None, out: Any = None,
-               wake: bool = True) -> Handle:
+               wake: bool = True, stream: int | None = None,
+               label: str | None = None) -> Handle:
         """Queue ``request``; raises at once for what is wrong locally.
 
-        ``wake=False`` is for blocking calls whose thread drives progress right away.
+        ``stream`` puts it on an ordered stream of its process set (matched by position, see
+        controller.py); its name becomes ``label`` or a generated one. ``wake=False`` is for
+        blocking calls whose thread drives progress right away.
         """
         handle = Handle(request, self)
-        entry = executor.LocalEntry(request.key, array, out, handle, time.perf_counter())
+        now = time.perf_counter()
         with self._lock:
             self._check_alive()
-            if request.key in self._inflight:
-                raise DuplicateNameError(f"{request.describe()} is already in flight on rank "
-                                         f"{self.rank}; wait for it or use another name")
-            self._inflight[request.key] = entry
-            self._queue.append((entry, request))
-        if wake:
-            self._wake.set()
+            if stream is None:
+                key = request.key
+                if key in self._inflight:
+                    raise DuplicateNameError(f"{request.describe()} is already in flight on "
+                                             f"rank {self.rank}; wait for it or use another "
+                                             f"name")
+            else:
+                sk = (request.pset, stream)
+                seq = self._seq.get(sk, 0)
+                self._seq[sk] = seq + 1
+                request = request._replace(name=_stream_name(request.coll, stream, seq, label))
+                handle.request = request
+                key = (ORDERED, request.pset, stream, seq)
+            entry = executor.LocalEntry(key, array, out, handle, now, request=request,
+                                        stream=stream)
+            if stream is not None:
+                self._streams.setdefault(sk, deque()).append(entry)
+            self._inflight[key] = entry
+            if not self._queue:
+                self._queued_at = now
+            self._queue.append(entry)
+        if wake and self._sleeping and not self.lazy:
+            self._plane.wake()
         return handle
 
     def _check_alive(self) -> None:
@@ -230,7 +284,9 @@ class Engine:
         """Stop the thread; pending handles fail with ShutdownError. Never blocks past timeout."""
         with self._lock:
             self._stopping = True
-        self._wake.set()
+        with self._cv:
+            self._cv.notify_all()
+        self._plane.wake()
         self._thread.join(timeout)
         if self._thread.is_alive():
             log.warning("lightcc background thread did not stop within %.0f s "
@@ -243,72 +299,56 @@ class Engine:
                 executor.release_agreement(info.topo.world)
         self.topo.free()
         self.topo.world.free()
-        # the control communicator is not freed: a shutdown message to a coordinator that has
-        # already left may still be pending on it, and a freed context id can be reused by the
-        # next init()'s communicator, which would then receive that stale message
         self.ctx.fusion.release()
 
-    # ---- engine thread -----------------------------------------------------------------------
+    # ---- progress ----------------------------------------------------------------------------
     def drive(self, handle: Handle, timeout: float | None) -> None:
-        """Make progress on the calling thread until ``handle`` completes (see Handle.wait)."""
+        """Make progress on the calling thread until ``handle`` completes (see Handle.wait).
+
+        The background thread stands aside while a user thread drives (no hand-off on the
+        latency-critical path); waiting for other ranks blocks in the kernel, not in a spin.
+        """
         deadline = None if timeout is None else time.monotonic() + timeout
-        spins = 0
-        spin_until = time.perf_counter() + DRIVER_SPIN_S
-        self._driver_waiting += 1
+        with self._cv:
+            self._drivers += 1
+        if self._sleeping:
+            self._plane.wake()       # the background thread leaves poll() and stands aside
         try:
             while not handle._event.is_set():
                 if self._dead is not None or self._stopping:
                     return
-                if deadline is not None and time.monotonic() > deadline:
-                    return
-                if self._progress.acquire(blocking=False):
-                    try:
-                        progressed = self._step()
-                    finally:
-                        self._progress.release()
-                    if progressed:
-                        spins = 0
-                        spin_until = time.perf_counter() + DRIVER_SPIN_S
-                        continue
-                    if time.perf_counter() < spin_until:
-                        continue   # busy-poll: a yield here costs more than the wait itself
-                    spins += 1
-                    handle._event.wait(min(MAX_BACKOFF_S, 2e-5 * 2 ** min(spins, 10)))
-                else:   # the engine thread is mid-step; it stands aside once it sees us
-                    handle._event.wait(2e-5)
+                wait = MAX_WAIT_S
+                if deadline is not None:
+                    wait = min(wait, deadline - time.monotonic())
+                    if wait <= 0:
+                        return
+                if not self._progress.acquire(timeout=DRIVER_LOCK_WAIT_S):
+                    continue          # another thread is stepping; look at the handle again
+                try:
+                    if not handle._event.is_set():
+                        self._step(wait, handle)
+                finally:
+                    self._progress.release()
         finally:
-            self._driver_waiting -= 1
+            with self._cv:
+                self._drivers -= 1
+                if not self._drivers:
+                    self._cv.notify_all()
 
     def _run(self) -> None:
-        spins = 0
         try:
             while True:
+                with self._cv:
+                    while self._drivers and not self._stopping:
+                        self._cv.wait()
                 if self._stopping:
                     with self._progress:
-                        self._step()
+                        self._step(0.0, None)
                         self._stop_thread()
                     return
-                if self._driver_waiting and not self._stopping:
-                    # a user thread is driving progress; stay out of its way
-                    self._wake.wait(IDLE_POLL_S)
-                    self._wake.clear()
-                    continue
-                self._wake.clear()
                 with self._progress:
-                    progressed = self._step()
-                if progressed:
-                    spins = 0
-                    continue
-                busy = bool(self._inflight) or (self.coordinator is not None
-                                                 and bool(self.coordinator.pending))
-                if not busy:
-                    self._wake.wait(IDLE_POLL_S)
-                elif spins < 64:
-                    spins += 1
-                    time.sleep(0)
-                else:
-                    spins += 1
-                    self._wake.wait(min(MAX_BACKOFF_S, 2e-5 * 2 ** min(spins - 64, 10)))
+                    if not self._drivers:
+                        self._step(MAX_WAIT_S, None, background=True)
         except BaseException as exc:  # never die silently: fail everything that waits
             log.exception("lightcc background thread failed")
             with self._lock:
@@ -316,104 +356,165 @@ class Engine:
                 entries = list(self._inflight.values())
                 self._inflight.clear()
                 self._queue.clear()
+                self._streams.clear()
             for e in entries:
                 e.handle._set(error=LightCCError(f"background thread failed: {exc!r}"))
 
-    def _step(self) -> bool:
-        new: list = []
-        if self._queue:   # unlocked peek; a request queued right after is seen next step
-            with self._lock:
-                new, self._queue = self._queue, []
-        msg = RankMessage()
-        now = time.perf_counter() if new else 0.0
-        for entry, req in new:
-            entry.sent_at = now
-            info = self.psets.get(req.pset)
-            cid = self.cache.lookup(req) if info is not None else -1
-            if cid >= 0:
-                msg.cached.append(cid)
-            else:
-                msg.requests.append(req)
-        progressed = bool(new)
-        self._prune_sends()
+    def _step(self, wait: float, handle: Handle | None, background: bool = False) -> bool:
+        """One round: send what is new, take what arrived, execute what is agreed. Blocks up
+        to ``wait`` seconds (in the kernel) only when there was nothing to do.
+
+        In lazy mode (see :func:`overlap_in_background`) the background thread leaves new
+        submissions to the thread that will wait for them, unless they have waited
+        :data:`LAZY_FLUSH_S` already (someone polls a handle instead of waiting on it).
+        """
+        hold = 0.0
+        if background and self.lazy and self._queue:
+            hold = self._queued_at + LAZY_FLUSH_S - time.perf_counter()
+        progressed = self._flush_queue() if hold <= 0.0 else False
         if self.coordinator is not None:
-            if new:
-                self.coordinator.receive(0, msg)
-            progressed |= self._receive_requests()
-            batch = self.coordinator.tick()
-            for text in self.coordinator.warnings:
-                log.warning("%s", text)
-            if batch is not None:
-                data = batch.encode() if self.size > 1 else b""
-                for dest in range(1, self.size):
-                    self._sends.append((self._ctrl.Isend([data, _byte()], dest, TAG_BATCH), data))
-                self._execute(batch)
-                progressed = True
-        else:
-            if new and not self._coordinator_gone:
-                data = msg.encode()
-                self._sends.append((self._ctrl.Isend([data, _byte()], 0, TAG_REQUEST), data))
-            progressed |= self._receive_batches()
+            progressed |= self._coordinate()
+        timeout = 0.0 if progressed else wait
+        if timeout > 0.0:
+            if self.coordinator is not None:
+                timeout = min(timeout, self.coordinator.next_deadline())
+            if hold > 0.0:
+                timeout = min(timeout, hold)
+            self._sleeping = True
+            if (self._queue and hold <= 0.0) or self._stopping or \
+                    (handle is None and self._drivers) or \
+                    (handle is not None and handle._event.is_set()):
+                timeout = 0.0
+        try:
+            frames = self._plane.poll(timeout)
+        finally:
+            self._sleeping = False
+        if frames:
+            progressed = True
+            if self.coordinator is not None:
+                for src, data in frames:
+                    self.coordinator.receive(src, RankMessage.decode(data))
+            else:
+                for _, data in frames:
+                    self._execute(Batch.decode(data))
+                    if self._coordinator_gone:
+                        break
+        if len(self._plane.closed) != len(self._closed_seen):
+            self._peers_closed()
+            progressed = True
+        if frames and self.coordinator is not None:
+            progressed |= self._coordinate()
         return progressed
 
-    def _prune_sends(self) -> None:
-        if self._sends:
-            self._sends = [(r, d) for r, d in self._sends if not r.Test()]
+    def _flush_queue(self) -> bool:
+        """Tell the coordinator about new submissions (cache ids where possible)."""
+        if not self._queue:      # unlocked peek; a request queued right after is seen next step
+            return False
+        with self._lock:
+            new, self._queue = self._queue, []
+        msg = RankMessage()
+        now = time.perf_counter()
+        for entry in new:
+            entry.sent_at = now
+            req = entry.request
+            if entry.stream is None:
+                cid = self.cache.lookup(req) if req.pset in self.psets else -1
+                if cid >= 0:
+                    msg.cached.append(cid)
+                else:
+                    msg.requests.append(req)
+            else:
+                cid = self.sigcache.lookup(signature(req))
+                msg.ordered.append((req.pset, entry.stream, cid if cid >= 0 else req))
+        if self.coordinator is not None:
+            self.coordinator.receive(0, msg)
+        elif not self._coordinator_gone:
+            self._plane.send(0, msg.encode())
+        return True
 
-    def _recv_bytes(self, source: int, tag: int) -> tuple[int, bytes] | None:
-        status = self._status
-        if not self._ctrl.Iprobe(source, tag, status):
-            return None
-        buf = bytearray(status.Get_count(self._MPI.BYTE))
-        src = status.Get_source()
-        self._ctrl.Recv([buf, self._MPI.BYTE], src, tag)
-        return src, bytes(buf)
+    def _coordinate(self) -> bool:
+        """Rank 0: ask the coordinator for a batch; send it to every rank and execute it."""
+        batch = self.coordinator.tick()
+        for text in self.coordinator.warnings:
+            log.warning("%s", text)
+        if batch is None:
+            return False
+        if self.size > 1:
+            data = batch.encode()
+            for dest in range(1, self.size):
+                self._plane.send(dest, data)
+        self._execute(batch)
+        return True
 
-    def _receive_requests(self) -> bool:
-        got = False
-        while (item := self._recv_bytes(self._MPI.ANY_SOURCE, TAG_REQUEST)) is not None:
-            src, data = item
-            self.coordinator.receive(src, RankMessage.decode(data))
-            got = True
-        return got
-
-    def _receive_batches(self) -> bool:
-        got = False
-        while (item := self._recv_bytes(0, TAG_BATCH)) is not None:
-            self._execute(Batch.decode(item[1]))
-            got = True
-            if self._coordinator_gone:
-                break
-        return got
+    def _peers_closed(self) -> None:
+        """Connections that ended: a rank that left (rank 0), or the coordinator (others)."""
+        new = self._plane.closed - self._closed_seen
+        self._closed_seen |= new
+        if self.coordinator is not None:
+            for r in sorted(new):
+                if r not in self.coordinator.gone:
+                    log.warning("rank %d closed its lightcc connection without shutdown() "
+                                "(it exited?); collectives that need it will fail", r)
+                    self.coordinator.lose(r)
+        elif 0 in new and not self._coordinator_gone:
+            self._remote_shutdown("rank 0 (the coordinator) closed its connection (it exited "
+                                  "or called shutdown())")
 
     # ---- execution ---------------------------------------------------------------------------
     def _execute(self, batch: Batch) -> None:
         if batch.settings:
             self._apply_settings(batch.settings)
         responses: list[Response] = []
+        entries: list = []
         for item in batch.items:
             if isinstance(item, int):
-                responses.append(self.cache.get(item))
+                resp = self.cache.get(item)
+                entries.append(self._take(resp.request.key))
+            elif isinstance(item, OrderedItem):
+                resp = item.payload
+                if isinstance(resp, int):
+                    resp = self.sigcache.get(resp)
+                elif not batch.joined:
+                    self.sigcache.add(resp, self._index_in(resp.request.pset))
+                entries.append(self._take_ordered(item.pset, item.stream))
             else:
+                resp = item
                 if not batch.joined:
-                    info = self.psets.get(item.request.pset)
-                    self.cache.add(item, info.index(self.rank) if info else None)
-                responses.append(item)
+                    self.cache.add(item, self._index_in(item.request.pset))
+                entries.append(self._take(resp.request.key))
+            responses.append(resp)
         if self.ctx.tracer.enabled:
             self.ctx.tracer.instant("engine", "CYCLE", time.perf_counter(), step=self.ctx.step,
                                     responses=len(responses))
         for bucket in fusion.plan(responses, self.fusion_threshold, self.ctx.min_compress_bytes):
-            self._execute_bucket([responses[i] for i in bucket])
+            self._execute_bucket([responses[i] for i in bucket], [entries[i] for i in bucket])
         self.ctx.step += 1
         if batch.shutdown:
             self._remote_shutdown(batch.shutdown)
 
-    def _take(self, resp: Response) -> executor.LocalEntry | None:
-        with self._lock:
-            return self._inflight.pop(resp.request.key, None)
+    def _index_in(self, pset: int) -> int | None:
+        info = self.psets.get(pset)
+        return info.index(self.rank) if info is not None else None
 
-    def _execute_bucket(self, resps: list[Response]) -> None:
-        entries = [self._take(r) for r in resps]
+    def _take(self, key: tuple) -> executor.LocalEntry | None:
+        with self._lock:
+            return self._inflight.pop(key, None)
+
+    def _take_ordered(self, pset: int, stream: int) -> executor.LocalEntry | None:
+        """This rank's next request on an ordered stream (None when it did not submit one:
+        it has joined, or is not a member; a joined member skips the position)."""
+        with self._lock:
+            queue = self._streams.get((pset, stream))
+            if queue:
+                entry = queue.popleft()
+                self._inflight.pop(entry.response_key, None)
+                return entry
+            info = self.psets.get(pset)
+            if info is not None and info.index(self.rank) is not None:
+                self._seq[(pset, stream)] = self._seq.get((pset, stream), 0) + 1
+            return None
+
+    def _execute_bucket(self, resps: list[Response], entries: list) -> None:
         first = resps[0]
         if first.error:
             exc_type = _ERROR_TYPES.get(first.error_kind, LightCCError)
@@ -535,6 +636,7 @@ class Engine:
             entries = list(self._inflight.values())
             self._inflight.clear()
             self._queue.clear()
+            self._streams.clear()
         for e in entries:
             e.handle._set(error=make_error(e))
 
@@ -549,17 +651,9 @@ class Engine:
         if self.coordinator is not None:
             data = Batch(shutdown="rank 0 (the coordinator) called shutdown()").encode()
             for dest in range(1, self.size):
-                self._sends.append((self._ctrl.Isend([data, _byte()], dest, TAG_BATCH), data))
+                self._plane.send(dest, data)
         elif not self._coordinator_gone:
-            data = RankMessage(shutdown=True).encode()
-            self._sends.append((self._ctrl.Isend([data, _byte()], 0, TAG_REQUEST), data))
-        deadline = time.monotonic() + 2.0
-        while self._sends and time.monotonic() < deadline:
-            self._prune_sends()
-            time.sleep(0.001)
+            self._plane.send(0, RankMessage(shutdown=True).encode())
+        self._plane.close()
 
 
-def _byte() -> Any:
-    from mpi4py import MPI
-
-    return MPI.BYTE

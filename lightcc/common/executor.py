@@ -38,6 +38,8 @@ class LocalEntry:
     handle: Any
     submitted_at: float = 0.0      # time.perf_counter() at submit
     sent_at: float = 0.0           # when the engine told the coordinator
+    request: Any = None            # this rank's request (its name labels errors, EF state)
+    stream: int | None = None      # ordered stream, or None when matched by name
 
 
 @dataclass
@@ -122,7 +124,9 @@ def allreduce_bucket(ctx: ExecContext, resps: list[Response],
     if floating and req.prescale != 1.0:
         buf *= req.prescale
     offsets = displacements(sizes)
-    bctx = BucketContext(tuple(r.request.name for r in resps), tuple(offsets), tuple(sizes),
+    names = tuple(r.request.name if e is None or e.request is None else e.request.name
+                  for r, e in zip(resps, entries))
+    bctx = BucketContext(names, tuple(offsets), tuple(sizes),
                          0, ctx.step, tuple(r.request.shape for r in resps))
     tracer = ctx.tracer
     t1 = time.perf_counter() if tracer.enabled else 0.0

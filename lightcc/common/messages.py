@@ -117,27 +117,59 @@ def _replace(req: Request, **changes: Any) -> Request:
     return req._replace(**changes)
 
 
+#: ``stream`` of the shared ordered stream of a process set (every collective type); streams
+#: ``0..`` are per collective type (``int(Coll)``), used for Horovod's unnamed collectives.
+SHARED_STREAM = -1
+#: First element of an ordered request's key, ``(ORDERED, pset, stream, seq)``.
+ORDERED = -1
+
+
+def signature(req: Request) -> Request:
+    """What ranks must agree on for an ordered request: the request without its local label."""
+    return req._replace(name="")
+
+
+class OrderedItem(NamedTuple):
+    """A batch entry for the next request of an ordered stream: ``payload`` is a
+    signature-cache id, or a (new or failed) :class:`Response`."""
+
+    pset: int
+    stream: int
+    payload: Any
+
+
 # ---- rank -> coordinator ------------------------------------------------------------------
 @dataclass
 class RankMessage:
     """What a rank tells the coordinator since its last message.
 
     ``cached`` are response-cache ids of resubmitted tensors, ``requests`` new ones,
-    ``shutdown`` that this rank is leaving.
+    ``shutdown`` that this rank is leaving. ``ordered`` lists this rank's new ordered requests
+    as ``(pset, stream, payload)`` in submission order (their sequence numbers are implicit:
+    the coordinator counts them per rank and stream); ``payload`` is a signature-cache id or
+    the full :class:`Request`.
     """
 
     cached: list[int] = field(default_factory=list)
     requests: list[Request] = field(default_factory=list)
     shutdown: bool = False
+    ordered: list[tuple[int, int, Any]] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.cached or self.requests or self.shutdown or self.ordered)
 
     def encode(self) -> bytes:
-        return pickle.dumps((self.cached, [r.to_tuple() for r in self.requests], self.shutdown),
-                            protocol=pickle.HIGHEST_PROTOCOL)
+        ordered = [(ps, st, p if isinstance(p, int) else p.to_tuple())
+                   for ps, st, p in self.ordered]
+        return pickle.dumps((self.cached, [r.to_tuple() for r in self.requests], self.shutdown,
+                             ordered), protocol=pickle.HIGHEST_PROTOCOL)
 
     @classmethod
     def decode(cls, data: bytes) -> "RankMessage":
-        cached, reqs, shutdown = pickle.loads(data)
-        return cls(list(cached), [Request.from_tuple(t) for t in reqs], bool(shutdown))
+        cached, reqs, shutdown, ordered = pickle.loads(data)
+        return cls(list(cached), [Request.from_tuple(t) for t in reqs], bool(shutdown),
+                   [(ps, st, p if isinstance(p, int) else Request.from_tuple(p))
+                    for ps, st, p in ordered])
 
 
 # ---- coordinator -> ranks -----------------------------------------------------------------
@@ -145,7 +177,8 @@ class RankMessage:
 class Batch:
     """An ordered list of responses every rank executes in the same order.
 
-    Each item is either an ``int`` (a cached response id) or a ``Response``; a new response
+    Each item is an ``int`` (a cached response id), a ``Response``, or an :class:`OrderedItem`
+    (the next request of an ordered stream); a new response
     that fits in the cache is added to every rank's cache in the order it appears here, so
     ids agree everywhere. ``joined`` are the ranks that had called ``join()`` when the batch
     was made (they contribute zeros). ``shutdown`` carries a reason when the job's lightcc
@@ -159,12 +192,29 @@ class Batch:
     settings: dict[str, Any] = field(default_factory=dict)
 
     def encode(self) -> bytes:
-        items = [i if isinstance(i, int) else i.to_tuple() for i in self.items]
-        return pickle.dumps((items, self.joined, self.shutdown, self.settings),
-                            protocol=pickle.HIGHEST_PROTOCOL)
+        return pickle.dumps(([_encode_item(i) for i in self.items], self.joined, self.shutdown,
+                             self.settings), protocol=pickle.HIGHEST_PROTOCOL)
 
     @classmethod
     def decode(cls, data: bytes) -> "Batch":
         items, joined, shutdown, settings = pickle.loads(data)
-        return cls([i if isinstance(i, int) else Response.from_tuple(i) for i in items],
-                   tuple(joined), shutdown, dict(settings))
+        return cls([_decode_item(i) for i in items], tuple(joined), shutdown, dict(settings))
+
+
+def _encode_item(item: Any) -> Any:
+    """int (cached id) as is; a Response as its tuple; an OrderedItem as a 3-list."""
+    if isinstance(item, int):
+        return item
+    if isinstance(item, OrderedItem):
+        p = item.payload
+        return [item.pset, item.stream, p if isinstance(p, int) else p.to_tuple()]
+    return item.to_tuple()
+
+
+def _decode_item(item: Any) -> Any:
+    if isinstance(item, int):
+        return item
+    if isinstance(item, list):
+        pset, stream, p = item
+        return OrderedItem(pset, stream, p if isinstance(p, int) else Response.from_tuple(p))
+    return Response.from_tuple(item)

@@ -115,14 +115,17 @@ def _from_status(record: dict) -> Failure:
 def diagnose(returncode: int, stderr_tail: str, statuses: list[dict]) -> list[Failure]:
     """Failures, the one that ended the job last. Empty if nothing failed.
 
-    prterun's banner decides which rank failed first (it is the one that saw the exits); a
-    wrapper's status record for that rank adds its real exit code and exception.
+    prterun's banners decide which rank failed first (it is the one that saw the exits; a
+    death by signal counts first); a wrapper's status record for that rank adds its real exit
+    code and exception.
     """
     by_rank = {int(r["rank"]): r for r in statuses if "rank" in r and "code" in r}
     banners = [f for _, f in parse_mpirun_output(stderr_tail)]
     primary: Failure | None = None
     if banners:
-        first = banners[0]
+        # a rank killed by a signal failed on its own; exits and aborts of other ranks are often
+        # its consequence (their collectives fail once it is gone), so it is named first
+        first = next((f for f in banners if f.kind == "signal"), banners[0])
         if first.rank in by_rank and (first.kind != "signal" or "signal" in by_rank[first.rank]):
             primary = _from_status(by_rank[first.rank])
         else:

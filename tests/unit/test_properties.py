@@ -150,7 +150,7 @@ class _StubEngine:
     def auto_name(self, coll, pset=0):
         return "auto"
 
-    def submit(self, req, arr=None, out=None, wake=True):
+    def submit(self, req, arr=None, out=None, wake=True, stream=None, label=None):
         return req
 
 

@@ -65,7 +65,7 @@ lcc.init()
 R, N = lcc.rank(), lcc.size()
 took = run_threads()
 eng = api.engine()
-assert eng._driver_waiting == 0, f"driver counter drifted to {eng._driver_waiting}"
+assert eng._drivers == 0, f"driver counter drifted to {eng._drivers}"
 # pure-async progress still works after the threads (the background thread drives it)
 h = lcc.allreduce_async(np.ones(2), op=lcc.Sum, name="async.only")
 deadline = time.monotonic() + 10

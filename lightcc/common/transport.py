@@ -1,0 +1,315 @@
+"""The engine's control plane: small messages between every rank and rank 0, over TCP.
+
+Why not MPI for these: waiting for an MPI message means polling (``Iprobe``) or sitting in a
+blocking call that spins inside MPI, and both burn the core that training needs. A socket lets
+the waiting thread block in the kernel (``select``) until a message arrives, a local submission
+wakes it (:meth:`ControlPlane.wake`) or a deadline passes, at no CPU cost. Data still moves over
+MPI; only requests and batches (tens of bytes each in steady state) travel here.
+
+Shape: a star. Rank 0 (the coordinator) listens on an ephemeral port; every other rank connects
+once during ``init()``, after learning rank 0's port, candidate addresses and a random token
+through one MPI broadcast. Ranks on rank 0's host use the loopback address; others try rank 0's
+interface addresses in turn (``LCC_CONTROL_ADDR`` names the address or interface to use instead).
+A frame is a 4-byte little-endian length followed by the payload. Sockets are non-blocking;
+unsent bytes wait in a per-connection outbox flushed whenever the plane is polled. Only the
+thread holding the engine's progress lock polls or sends; :meth:`ControlPlane.wake` may be called
+from any thread.
+"""
+from __future__ import annotations
+
+import errno
+import fcntl
+import logging
+import os
+import selectors
+import socket
+import struct
+import time
+from typing import Any, Sequence
+
+from .exceptions import LightCCError
+
+log = logging.getLogger("lightcc")
+
+_HDR = struct.Struct("<I")
+_HELLO = struct.Struct("<8sI")
+_SIOCGIFADDR = 0x8915
+CONNECT_TIMEOUT_S = 5.0     # per address tried
+ACCEPT_TIMEOUT_S = 60.0     # how long rank 0 waits for every rank to connect
+
+
+def interface_addresses() -> dict[str, str]:
+    """IPv4 address of every configured network interface (Linux), ``{name: address}``."""
+    out: dict[str, str] = {}
+    try:
+        names = [name for _, name in socket.if_nameindex()]
+    except OSError:
+        return out
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        for name in names:
+            try:
+                req = struct.pack("256s", name.encode()[:15])
+                res = fcntl.ioctl(s.fileno(), _SIOCGIFADDR, req)
+                out[name] = socket.inet_ntoa(res[20:24])
+            except OSError:
+                continue
+    return out
+
+
+def candidate_addresses(override: str = "") -> list[str]:
+    """Addresses other hosts may reach this one at, best first (loopback excluded).
+
+    ``override`` is an address, a host name or an interface name (``LCC_CONTROL_ADDR``).
+    """
+    ifaces = interface_addresses()
+    if override:
+        if override in ifaces:
+            return [ifaces[override]]
+        return [socket.gethostbyname(override)]
+    addrs = [a for name, a in ifaces.items() if not a.startswith("127.")]
+    if not addrs:
+        try:
+            addrs = [a for a in socket.gethostbyname_ex(socket.gethostname())[2]
+                     if not a.startswith("127.")]
+        except OSError:
+            addrs = []
+    return addrs
+
+
+class _Conn:
+    __slots__ = ("sock", "rank", "inbuf", "outbuf")
+
+    def __init__(self, sock: socket.socket, rank: int) -> None:
+        self.sock = sock
+        self.rank = rank
+        self.inbuf = bytearray()
+        self.outbuf = bytearray()
+
+
+class ControlPlane:
+    """Framed messages between this rank and rank 0 (see module docstring).
+
+    Collective over ``comm`` (an mpi4py communicator): every rank constructs it at once.
+    """
+
+    def __init__(self, comm: Any, hostnames: Sequence[str], override: str = "") -> None:
+        self.rank = comm.Get_rank()
+        self.size = comm.Get_size()
+        self._sel = selectors.DefaultSelector()
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
+        self._sel.register(self._wake_r, selectors.EVENT_READ, None)
+        self._wake_pending = False
+        self._conns: dict[int, _Conn] = {}
+        self.closed: set[int] = set()      # peers whose connection ended
+        self._writing: set[int] = set()   # connections registered for EVENT_WRITE
+        if self.size > 1:
+            self._bootstrap(comm, list(hostnames), override)
+
+    # ---- setup ---------------------------------------------------------------------------------
+    def _bootstrap(self, comm: Any, hostnames: list[str], override: str) -> None:
+        listener = None
+        info = None
+        if self.rank == 0:
+            listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            listener.bind(("", 0))
+            listener.listen(min(self.size, 4096))
+            try:
+                remote = candidate_addresses(override)
+            except OSError as exc:
+                remote = []
+                log.warning("LCC_CONTROL_ADDR=%r: %s", override, exc)
+            info = (listener.getsockname()[1], remote, os.urandom(8))
+        port, remote, token = comm.bcast(info, root=0)
+        if self.rank == 0:
+            ok = self._accept_all(listener, token)
+            listener.close()
+        else:
+            same_host = hostnames[self.rank] == hostnames[0]
+            tried = (["127.0.0.1"] if same_host and not override else []) + list(remote)
+            ok = self._connect(tried, port, token)
+        oks = comm.allgather(ok)
+        if not all(oks):
+            bad = [r for r, good in enumerate(oks) if not good]
+            self.close()
+            raise LightCCError(
+                f"lightcc's control connection to rank 0 (port {port}, addresses "
+                f"{remote or ['none found']}) failed on ranks {bad}; set LCC_CONTROL_ADDR to an "
+                f"address or interface of rank 0's host that every rank can reach")
+
+    def _connect(self, addrs: list[str], port: int, token: bytes) -> bool:
+        for addr in addrs:
+            try:
+                sock = socket.create_connection((addr, port), timeout=CONNECT_TIMEOUT_S)
+            except OSError as exc:
+                log.debug("control connection to %s:%d failed: %s", addr, port, exc)
+                continue
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sock.sendall(_HELLO.pack(token, self.rank))
+            self._add(sock, 0)
+            return True
+        return False
+
+    def _accept_all(self, listener: socket.socket, token: bytes) -> bool:
+        deadline = time.monotonic() + ACCEPT_TIMEOUT_S
+        while len(self._conns) < self.size - 1:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return False
+            listener.settimeout(remaining)
+            try:
+                sock, _ = listener.accept()
+            except (socket.timeout, OSError):
+                return False
+            try:
+                sock.settimeout(max(1.0, remaining))
+                hello = _recv_exactly(sock, _HELLO.size)
+                got, rank = _HELLO.unpack(hello)
+            except (OSError, ValueError, struct.error):
+                sock.close()
+                continue
+            if got != token or not 0 < rank < self.size or rank in self._conns:
+                sock.close()       # a stray connection, not one of ours
+                continue
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            self._add(sock, rank)
+        return True
+
+    def _add(self, sock: socket.socket, rank: int) -> None:
+        sock.setblocking(False)
+        conn = _Conn(sock, rank)
+        self._conns[rank] = conn
+        self._sel.register(sock, selectors.EVENT_READ, conn)
+
+    # ---- sending -------------------------------------------------------------------------------
+    def send(self, dest: int, payload: bytes) -> None:
+        """Queue one frame for ``dest`` (rank 0 may send to anyone, others only to 0) and send
+        what the socket takes now; the rest goes out on later calls."""
+        conn = self._conns.get(dest)
+        if conn is None:
+            return        # the peer is gone (closed); the engine learns it from ``closed``
+        conn.outbuf += _HDR.pack(len(payload))
+        conn.outbuf += payload
+        self._flush(conn)
+
+    def _flush(self, conn: _Conn) -> None:
+        while conn.outbuf:
+            try:
+                sent = conn.sock.send(conn.outbuf)
+            except BlockingIOError:
+                break
+            except OSError:
+                self._drop(conn)
+                return
+            del conn.outbuf[:sent]
+        want_write = bool(conn.outbuf)
+        if want_write != (conn.rank in self._writing):
+            events = selectors.EVENT_READ | (selectors.EVENT_WRITE if want_write else 0)
+            self._sel.modify(conn.sock, events, conn)
+            (self._writing.add if want_write else self._writing.discard)(conn.rank)
+
+    def pending_output(self) -> bool:
+        return bool(self._writing)
+
+    # ---- receiving -----------------------------------------------------------------------------
+    def poll(self, timeout: float) -> list[tuple[int, bytes]]:
+        """Frames that arrived, as ``(source rank, payload)``; waits up to ``timeout`` seconds
+        (0: do not wait) for the first one, a :meth:`wake`, or a peer closing."""
+        frames: list[tuple[int, bytes]] = []
+        for key, events in self._sel.select(max(timeout, 0.0)):
+            conn = key.data
+            if conn is None:
+                self._drain_wake()
+                continue
+            if events & selectors.EVENT_WRITE:
+                self._flush(conn)
+            if events & selectors.EVENT_READ:
+                self._read(conn, frames)
+        return frames
+
+    def _read(self, conn: _Conn, frames: list[tuple[int, bytes]]) -> None:
+        while True:
+            try:
+                data = conn.sock.recv(1 << 20)
+            except BlockingIOError:
+                break
+            except OSError as exc:
+                if exc.errno in (errno.EAGAIN, errno.EWOULDBLOCK):
+                    break
+                data = b""
+            if not data:
+                self._drop(conn)
+                break
+            conn.inbuf += data
+            if len(data) < (1 << 20):
+                break
+        buf = conn.inbuf
+        at = 0
+        while len(buf) - at >= 4:
+            (n,) = _HDR.unpack_from(buf, at)
+            if len(buf) - at - 4 < n:
+                break
+            frames.append((conn.rank, bytes(buf[at + 4:at + 4 + n])))
+            at += 4 + n
+        if at:
+            del buf[:at]
+
+    def _drop(self, conn: _Conn) -> None:
+        if self._conns.pop(conn.rank, None) is None:
+            return
+        self.closed.add(conn.rank)
+        self._writing.discard(conn.rank)
+        try:
+            self._sel.unregister(conn.sock)
+        except (KeyError, ValueError):
+            pass
+        conn.sock.close()
+
+    # ---- waking ---------------------------------------------------------------------------------
+    def wake(self) -> None:
+        """Make a thread blocked in :meth:`poll` return now (any thread; cheap when repeated)."""
+        if self._wake_pending:
+            return
+        self._wake_pending = True
+        try:
+            self._wake_w.send(b"w")
+        except (BlockingIOError, OSError):
+            pass
+
+    def _drain_wake(self) -> None:
+        # read first, then clear the flag: a wake() racing with this either finds the flag
+        # still set (the polling thread is awake anyway and re-checks its work before it
+        # blocks again) or sends a fresh byte that the next poll() sees
+        try:
+            while self._wake_r.recv(4096):
+                pass
+        except (BlockingIOError, OSError):
+            pass
+        self._wake_pending = False
+
+    def close(self) -> None:
+        """Flush what is queued (briefly), then close every connection."""
+        deadline = time.monotonic() + 1.0
+        while self._writing and time.monotonic() < deadline:
+            self.poll(0.01)
+        for conn in list(self._conns.values()):
+            self._drop(conn)
+        for s in (self._wake_r, self._wake_w):
+            try:
+                self._sel.unregister(s)
+            except (KeyError, ValueError):
+                pass
+            s.close()
+        self._sel.close()
+
+
+def _recv_exactly(sock: socket.socket, n: int) -> bytes:
+    buf = b""
+    while len(buf) < n:
+        part = sock.recv(n - len(buf))
+        if not part:
+            raise ValueError("connection closed during the handshake")
+        buf += part
+    return buf
