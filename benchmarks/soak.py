@@ -150,7 +150,7 @@ def worker(args: argparse.Namespace) -> None:
         if rnd % 200 == 0:
             algo = algos[rnd // 200 % len(algos)]
             lcc.barrier()
-            eng.ctx.algorithm = algo          # same value, same point, on every rank
+            eng._apply_settings({"algorithm": algo})   # same value, same point, every rank
         ops = []
         for k in range(int(plan.integers(1, 9))):
             kind = KINDS[int(plan.integers(len(KINDS)))]
@@ -261,7 +261,7 @@ def worker(args: argparse.Namespace) -> None:
 def _sample(proc, eng, ops: int, seconds: float) -> dict:
     """RSS (MiB), open fds and the sizes of the engine's per-name tables."""
     state_bytes, state_keys = 0, 0
-    for comp in eng.ctx.compressors.values():
+    for comp in eng.group(0).compressors.values():
         mem = getattr(comp, "memory", None)
         if mem is not None:
             state_keys += len(mem.residuals)
@@ -275,7 +275,7 @@ def _sample(proc, eng, ops: int, seconds: float) -> dict:
             "fds": proc.num_fds(), "cache": len(eng.cache),
             "cache_ids": len(eng.cache._entries),
             "coord_pending": len(coord.pending) if coord else 0,
-            "inflight": len(eng._inflight), "fusion_mb": eng.ctx.fusion.nbytes / 2 ** 20,
+            "inflight": len(eng._inflight), "fusion_mb": eng.group(0).fusion.nbytes / 2 ** 20,
             "comp_state_keys": state_keys, "comp_state_mb": state_bytes / 2 ** 20}
 
 

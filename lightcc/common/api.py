@@ -105,7 +105,6 @@ def init(comm: Any = None, process_sets: Sequence[ProcessSet] | None = None,
             comm = MPI.COMM_WORLD
         elif isinstance(comm, (list, tuple)):
             comm = MPI.COMM_WORLD.Create_group(MPI.COMM_WORLD.Get_group().Incl(list(comm)))
-        _apply_algorithm_settings(cfg)
         hostnames = comm.allgather(MPI.Get_processor_name())
         _engine = Engine(cfg, comm, hostnames)
         from .kernels import _threads
@@ -119,23 +118,6 @@ def init(comm: Any = None, process_sets: Sequence[ProcessSet] | None = None,
             _atexit_registered = True
     for ps in process_sets or ():
         add_process_set(ps)
-
-
-def _apply_algorithm_settings(cfg: config_mod.Config) -> None:
-    """Push the ``auto`` thresholds and the ring chunk size into the algorithms package."""
-    from . import algorithms
-    from .algorithms import ring
-
-    algorithms.set_thresholds(small_bytes=cfg.auto_small_bytes,
-                              hierarchical_bytes=cfg.auto_multinode_bytes,
-                              multi_node=cfg.auto_multi_node)
-    ring.CHUNK_BYTES = cfg.ring_chunk_bytes
-    from .backends import mpi as mpi_backend
-
-    mpi_backend.ALLREDUCE_CHUNK_BYTES = cfg.mpi_chunk_bytes
-    from .compression import memory
-
-    memory.TTL_STEPS = cfg.ef_ttl_steps
 
 
 _added_sets: list["ProcessSet"] = []
@@ -253,9 +235,9 @@ def stats() -> dict[str, Any]:
     """Wire bytes and call counts per communicator, plus totals, since ``init()``."""
     eng = _get()
     comms = {"world": eng.topo.world, "local": eng.topo.local, "cross": eng.topo.cross}
-    for pid, info in eng.psets.items():
-        if pid and info.topo is not None:
-            comms[f"pset{pid}"] = info.topo.world
+    for pid, group in eng.groups.items():
+        if pid and group.topo is not None:
+            comms[f"pset{pid}"] = group.topo.world
     out: dict[str, Any] = {name: c.stats.snapshot() for name, c in comms.items()}
     out["bytes_sent"] = sum(v["bytes_sent"] for v in out.values())
     out["bytes_received"] = sum(v["bytes_received"] for k, v in out.items()

@@ -138,7 +138,7 @@ class Autotuner:
     def current_setting(self) -> Setting:
         eng = self.engine
         return Setting(int(eng.fusion_threshold), round(eng.coordinator.cycle_time * 1000.0, 3),
-                       str(eng.ctx.algorithm))
+                       str(eng.algorithm))
 
     def _apply(self, setting: Setting) -> None:
         self.applied = setting

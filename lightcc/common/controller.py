@@ -138,11 +138,15 @@ class Coordinator:
         entry.reqs[rank] = req
         if cid >= 0:
             entry.ids[rank] = cid
-        if entry.ready_at is None and not self._missing(key, entry)[0]:
-            self._mark_ready(key, entry, now)
+        if entry.ready_at is None:
+            if self.joined or self.gone:
+                if not self._missing(key, entry)[0]:
+                    self._mark_ready(key, entry, now)
+            elif len(entry.reqs) == len(self.psets.get(key[1], ())):
+                self._mark_ready(key, entry, now)
 
     def _mark_ready(self, key: tuple, entry: _Pending, now: float) -> None:
-        if self._missing(key, entry)[1]:
+        if self.gone and self._missing(key, entry)[1]:
             return       # a member shut down: the scan turns it into an error
         entry.ready_at = now
         self._ready[key] = None

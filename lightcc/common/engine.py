@@ -35,11 +35,16 @@ from .exceptions import (CollectiveError, DuplicateNameError, InvalidArgumentErr
                          LightCCError, MismatchError, ShutdownError, StallError)
 from .messages import (COLL_NAMES, ORDERED, SHARED_STREAM, Batch, Coll, OrderedItem,
                        RankMessage, Request, Response, signature)
+from .group import ExecSettings, Group
 from .topology import Topology, build
+from .tracing import NULL, Tracer
 from .transport import ControlPlane
 
 log = logging.getLogger("lightcc")
 
+#: Settings of :class:`~.group.ExecSettings` that a batch may change (the autotuner's).
+_EXEC_FIELDS = ("fusion_threshold", "algorithm", "auto_thresholds", "min_compress_bytes",
+                "ring_chunk_bytes", "mpi_chunk_bytes", "ef_ttl_steps")
 MAX_WAIT_S = 1.0            # longest single block in the kernel (stops are also woken)
 LAZY_FLUSH_S = 0.05         # lazy mode: the background thread sends what waited this long
 DRIVER_LOCK_WAIT_S = 0.002  # a driver that finds another thread stepping re-checks this often
@@ -157,17 +162,6 @@ class Handle:
         return f"<Handle {self.request.describe() if self.request else ''} {state}>"
 
 
-@dataclass
-class ProcessSetInfo:
-    """Members of a process set and, for members, its communicators."""
-
-    ranks: tuple[int, ...]
-    topo: Topology | None
-
-    def index(self, world_rank: int) -> int | None:
-        return self.ranks.index(world_rank) if world_rank in self.ranks else None
-
-
 class Engine:
     """One process's lightcc runtime (see module docstring)."""
 
@@ -178,18 +172,17 @@ class Engine:
         self.topo = build(world, hostnames, config.local_size)
         self.rank, self.size = world.rank, world.size
         self._plane = ControlPlane(mpi_comm, hostnames, config.control_addr)
-        self.psets: dict[int, ProcessSetInfo] = {0: ProcessSetInfo(tuple(range(self.size)),
-                                                                   self.topo)}
+        self.settings = ExecSettings.from_config(config)
+        self.groups: dict[int, Group] = {0: Group(0, tuple(range(self.size)), self.topo,
+                                                  self.settings)}
+        self.tracer: Tracer = NULL
+        self.batches = 0                     # batches executed
         self.cache = ResponseCache(config.cache_capacity)
         self.sigcache = SignatureCache(config.cache_capacity)
         self.coordinator = (Coordinator(self.size, config.cache_capacity,
                                         config.cycle_time / 1000.0, config.fusion_threshold,
                                         config.stall_check_time, config.stall_shutdown_time)
                             if self.rank == 0 else None)
-        self.ctx = executor.ExecContext(topo=self.topo, fusion=fusion.FusionBuffer(),
-                                        algorithm=config.algorithm,
-                                        min_compress_bytes=config.min_compress_bytes)
-        self.fusion_threshold = config.fusion_threshold
         self._lock = threading.Lock()        # queue, in-flight table, sequence numbers
         self._progress = threading.Lock()    # serializes _step(): every MPI call is under it
         self._cv = threading.Condition()     # guards _drivers
@@ -218,20 +211,29 @@ class Engine:
             counter = self._counters.setdefault((int(coll), pset), itertools.count())
             return f"{coll.name.lower()}.noname.{next(counter)}"
 
+    @property
+    def fusion_threshold(self) -> int:
+        return self.settings.fusion_threshold
+
+    @property
+    def algorithm(self) -> str:
+        return self.settings.algorithm
+
     def set_tracer(self, tracer: Any) -> None:
         """Route trace events of the executor and every communicator to ``tracer``."""
-        self.ctx.tracer = tracer
-        for info in self.psets.values():
-            if info.topo is not None:
-                for comm in (info.topo.world, info.topo.local, info.topo.cross):
-                    comm.tracer = tracer
+        self.tracer = tracer
+        for group in self.groups.values():
+            group.set_tracer(tracer)
 
-    def pset(self, pset_id: int) -> ProcessSetInfo:
-        info = self.psets.get(pset_id)
-        if info is None:
+    def group(self, pset_id: int) -> Group:
+        """The process set ``pset_id`` (InvalidArgumentError when it does not exist here)."""
+        group = self.groups.get(pset_id)
+        if group is None:
             raise InvalidArgumentError(f"process set {pset_id} does not exist (removed, or "
                                        f"never added on this rank)")
-        return info
+        return group
+
+    pset = group      # the name the API layers use
 
     def submit(self, request: Request, array: Any = None, out: Any = None,
                wake: bool = True, stream: int | None = None,
@@ -259,8 +261,7 @@ class Engine:
                 request = request._replace(name=_stream_name(request.coll, stream, seq, label))
                 handle.request = request
                 key = (ORDERED, request.pset, stream, seq)
-            entry = executor.LocalEntry(key, array, out, handle, now, request=request,
-                                        stream=stream)
+            entry = executor.LocalEntry(key, array, out, handle, now, request, stream)
             if stream is not None:
                 self._streams.setdefault(sk, deque()).append(entry)
             self._inflight[key] = entry
@@ -292,14 +293,10 @@ class Engine:
             log.warning("lightcc background thread did not stop within %.0f s "
                         "(blocked in a collective with a rank that is gone?)", timeout)
             return
-        for info in list(self.psets.values()):
-            if info.topo is not None and info.topo is not self.topo:
-                info.topo.free()
-            if info.topo is not None:
-                executor.release_agreement(info.topo.world)
-        self.topo.free()
-        self.topo.world.free()
-        self.ctx.fusion.release()
+        for group in list(self.groups.values()):
+            if group.topo is not None:
+                executor.release_agreement(group.topo.world)
+                group.free()
 
     # ---- progress ----------------------------------------------------------------------------
     def drive(self, handle: Handle, timeout: float | None) -> None:
@@ -418,7 +415,7 @@ class Engine:
             entry.sent_at = now
             req = entry.request
             if entry.stream is None:
-                cid = self.cache.lookup(req) if req.pset in self.psets else -1
+                cid = self.cache.lookup(req) if req.pset in self.groups else -1
                 if cid >= 0:
                     msg.cached.append(cid)
                 else:
@@ -466,53 +463,57 @@ class Engine:
             self._apply_settings(batch.settings)
         responses: list[Response] = []
         entries: list = []
-        for item in batch.items:
-            if isinstance(item, int):
-                resp = self.cache.get(item)
-                entries.append(self._take(resp.request.key))
-            elif isinstance(item, OrderedItem):
-                resp = item.payload
-                if isinstance(resp, int):
-                    resp = self.sigcache.get(resp)
-                elif not batch.joined:
-                    self.sigcache.add(resp, self._index_in(resp.request.pset))
-                entries.append(self._take_ordered(item.pset, item.stream))
-            else:
-                resp = item
-                if not batch.joined:
-                    self.cache.add(item, self._index_in(item.request.pset))
-                entries.append(self._take(resp.request.key))
-            responses.append(resp)
-        if self.ctx.tracer.enabled:
-            self.ctx.tracer.instant("engine", "CYCLE", time.perf_counter(), step=self.ctx.step,
-                                    responses=len(responses))
-        for bucket in fusion.plan(responses, self.fusion_threshold, self.ctx.min_compress_bytes):
+        with self._lock:          # one acquisition for the whole batch
+            for item in batch.items:
+                if isinstance(item, int):
+                    resp = self.cache.get(item)
+                    entries.append(self._inflight.pop(resp.request.key, None))
+                elif isinstance(item, OrderedItem):
+                    resp = item.payload
+                    if isinstance(resp, int):
+                        resp = self.sigcache.get(resp)
+                    elif not batch.joined:
+                        self.sigcache.add(resp, self._index_in(resp.request.pset))
+                    entries.append(self._take_ordered(item.pset, item.stream))
+                else:
+                    resp = item
+                    if not batch.joined:
+                        self.cache.add(item, self._index_in(item.request.pset))
+                    entries.append(self._inflight.pop(resp.request.key, None))
+                responses.append(resp)
+        if self.tracer.enabled:
+            self.tracer.instant("engine", "CYCLE", time.perf_counter(), step=self.batches,
+                                responses=len(responses))
+        touched: set[int] = set()
+        for bucket in fusion.plan(responses, self.settings.fusion_threshold,
+                                  self.settings.min_compress_bytes):
+            touched.add(responses[bucket[0]].request.pset)
             self._execute_bucket([responses[i] for i in bucket], [entries[i] for i in bucket])
-        self.ctx.step += 1
+        for pset in touched:
+            group = self.groups.get(pset)
+            if group is not None:
+                group.step += 1
+        self.batches += 1
         if batch.shutdown:
             self._remote_shutdown(batch.shutdown)
 
     def _index_in(self, pset: int) -> int | None:
-        info = self.psets.get(pset)
-        return info.index(self.rank) if info is not None else None
-
-    def _take(self, key: tuple) -> executor.LocalEntry | None:
-        with self._lock:
-            return self._inflight.pop(key, None)
+        group = self.groups.get(pset)
+        return group.index(self.rank) if group is not None else None
 
     def _take_ordered(self, pset: int, stream: int) -> executor.LocalEntry | None:
         """This rank's next request on an ordered stream (None when it did not submit one:
-        it has joined, or is not a member; a joined member skips the position)."""
-        with self._lock:
-            queue = self._streams.get((pset, stream))
-            if queue:
-                entry = queue.popleft()
-                self._inflight.pop(entry.response_key, None)
-                return entry
-            info = self.psets.get(pset)
-            if info is not None and info.index(self.rank) is not None:
-                self._seq[(pset, stream)] = self._seq.get((pset, stream), 0) + 1
-            return None
+        it has joined, or is not a member; a joined member skips the position). Called with
+        ``_lock`` held."""
+        queue = self._streams.get((pset, stream))
+        if queue:
+            entry = queue.popleft()
+            self._inflight.pop(entry.response_key, None)
+            return entry
+        group = self.groups.get(pset)
+        if group is not None and group.index(self.rank) is not None:
+            self._seq[(pset, stream)] = self._seq.get((pset, stream), 0) + 1
+        return None
 
     def _execute_bucket(self, resps: list[Response], entries: list) -> None:
         first = resps[0]
@@ -528,8 +529,8 @@ class Engine:
             self._add_pset(first)
         elif req.coll == Coll.REMOVE_PSET:
             self._remove_pset(req.root)
-        info = self.psets.get(req.pset)
-        if info is None or info.topo is None:
+        group = self.groups.get(req.pset)
+        if group is None or group.topo is None:
             for e in entries:   # not a member: nothing to do (members only submit)
                 if e is not None:
                     e.handle._set(error=InvalidArgumentError(f"process set {req.pset} is gone"))
@@ -537,9 +538,7 @@ class Engine:
         if all(e is None for e in entries) and not (self._joined and req.coll in
                                                     (Coll.ALLREDUCE, Coll.ALLGATHER)):
             return
-        prev_topo = self.ctx.topo
-        self.ctx.topo = info.topo
-        tracer = self.ctx.tracer
+        tracer = self.tracer
         start = time.perf_counter()
         if tracer.enabled:
             for e, r in zip(entries, resps):
@@ -547,26 +546,23 @@ class Engine:
                     tracer.span(r.request.name, "QUEUE", e.submitted_at, e.sent_at)
                     tracer.span(r.request.name, "NEGOTIATE", e.sent_at, start)
         self._notify("bucket_start", responses=resps)
-        agreed = executor.needs_agreement(self.ctx, resps)
+        agreed = executor.needs_agreement(group, resps)
         local_exc: Exception | None = None
         failed: list[int] = []
+        if agreed:
+            executor.prepare_agreement(group)
         try:
-            if agreed:
-                executor.prepare_agreement(self.ctx)
-            try:
-                if req.coll == Coll.ALLREDUCE:
-                    results = executor.allreduce_bucket(self.ctx, resps, entries)
-                else:
-                    results = [executor.execute_single(self.ctx, first, entries[0])]
-                    if tracer.enabled:
-                        tracer.span(req.name, req.coll.name, start, time.perf_counter())
-            except Exception as exc:
-                local_exc = exc
-            if agreed:
-                failed = [info.ranks[i] for i in
-                          executor.agree(self.ctx, local_exc is not None, req.describe())]
-        finally:
-            self.ctx.topo = prev_topo
+            if req.coll == Coll.ALLREDUCE:
+                results = executor.allreduce_bucket(group, resps, entries)
+            else:
+                results = [executor.execute_single(group, first, entries[0])]
+                if tracer.enabled:
+                    tracer.span(req.name, req.coll.name, start, time.perf_counter())
+        except Exception as exc:
+            local_exc = exc
+        if agreed:
+            failed = [group.ranks[i] for i in
+                      executor.agree(group, local_exc is not None, req.describe())]
         if local_exc is not None or failed:
             self._fail_bucket(resps, entries, local_exc, failed)
             return
@@ -597,19 +593,21 @@ class Engine:
             listener(event, **info)
 
     def _apply_settings(self, settings: dict) -> None:
-        if "fusion_threshold" in settings:
-            self.fusion_threshold = int(settings["fusion_threshold"])
-        if "algorithm" in settings:
-            self.ctx.algorithm = str(settings["algorithm"])
-        if "auto_thresholds" in settings:
-            from . import algorithms
-
-            algorithms.set_thresholds(**settings["auto_thresholds"])
+        """Tuned settings from the coordinator, applied by every rank at the same batch."""
+        exec_changes = {k: v for k, v in settings.items() if k in _EXEC_FIELDS}
+        if exec_changes:
+            if "fusion_threshold" in exec_changes:
+                exec_changes["fusion_threshold"] = int(exec_changes["fusion_threshold"])
+            if "algorithm" in exec_changes:
+                exec_changes["algorithm"] = str(exec_changes["algorithm"])
+            self.settings = self.settings.changed(**exec_changes)
+            for group in self.groups.values():
+                group.apply(self.settings)
         if self.coordinator is not None:
             if "cycle_time" in settings:
                 self.coordinator.cycle_time = float(settings["cycle_time"]) / 1000.0
             if "fusion_threshold" in settings:
-                self.coordinator.fusion_threshold = self.fusion_threshold
+                self.coordinator.fusion_threshold = self.settings.fusion_threshold
 
     def _add_pset(self, resp: Response) -> None:
         ranks = tuple(resp.request.splits)
@@ -618,17 +616,18 @@ class Engine:
         if member:
             hosts = [self.hostnames[r] for r in ranks]
             topo = build(sub, hosts, self.config.local_size)
-            self.psets[resp.value] = ProcessSetInfo(ranks, topo)
+            group = Group(resp.value, ranks, topo, self.settings)
+            group.set_tracer(self.tracer)
         else:
             sub.free()
-            self.psets[resp.value] = ProcessSetInfo(ranks, None)
+            group = Group(resp.value, ranks, None, self.settings)
+        self.groups[resp.value] = group
 
     def _remove_pset(self, pset_id: int) -> None:
-        info = self.psets.pop(pset_id, None)
-        if info is not None and info.topo is not None:
-            executor.release_agreement(info.topo.world)
-            info.topo.free()
-            info.topo.world.free()
+        group = self.groups.pop(pset_id, None)
+        if group is not None and group.topo is not None:
+            executor.release_agreement(group.topo.world)
+            group.free()
 
     # ---- shutdown ----------------------------------------------------------------------------
     def _fail_all(self, make_error) -> None:

@@ -10,57 +10,44 @@ from __future__ import annotations
 import logging
 import math
 import threading
-from dataclasses import dataclass, field
 import time
 from typing import Any
 
 import numpy as np
 
-from . import algorithms, compression, dtypes, faults
+from . import algorithms, dtypes, faults, fusion
 from .backends.base import displacements, even_counts
 from .compression.base import BucketContext
-from . import fusion
-from .fusion import FusionBuffer
+from .group import Group
 from .messages import Coll, Response
-from .topology import Topology
-from .tracing import NULL, Tracer
+from .tracing import Tracer
 
 log = logging.getLogger("lightcc")
 
 
-@dataclass
 class LocalEntry:
-    """A tensor this rank submitted: its input, optional output (in-place ops) and handle."""
+    """A tensor this rank submitted: its input, optional output (in-place ops) and handle.
 
-    response_key: tuple
-    array: Any
-    out: Any
-    handle: Any
-    submitted_at: float = 0.0      # time.perf_counter() at submit
-    sent_at: float = 0.0           # when the engine told the coordinator
-    request: Any = None            # this rank's request (its name labels errors, EF state)
-    stream: int | None = None      # ordered stream, or None when matched by name
+    A slotted class, not a dataclass: one is made per collective on the submitting thread.
+    ``submitted_at``/``sent_at`` are ``time.perf_counter()`` at submit and when the coordinator
+    was told; ``request`` is this rank's request (its name labels errors and error-feedback
+    state); ``stream`` the ordered stream, or None when matched by name.
+    """
 
+    __slots__ = ("response_key", "array", "out", "handle", "submitted_at", "sent_at", "request",
+                 "stream")
 
-@dataclass
-class ExecContext:
-    """What the executor needs from the engine."""
-
-    topo: Topology
-    fusion: FusionBuffer
-    algorithm: str
-    min_compress_bytes: int
-    compressors: dict[str, Any] = field(default_factory=dict)
-    step: int = 0
-    tracer: Tracer = NULL
-
-    def compressor(self, spec: str) -> Any:
-        """One compressor instance per spec, so its state persists across steps."""
-        if spec in ("", "none"):
-            return None
-        if spec not in self.compressors:
-            self.compressors[spec] = compression.make(spec)
-        return self.compressors[spec]
+    def __init__(self, response_key: tuple, array: Any, out: Any, handle: Any,
+                 submitted_at: float = 0.0, request: Any = None,
+                 stream: int | None = None) -> None:
+        self.response_key = response_key
+        self.array = array
+        self.out = out
+        self.handle = handle
+        self.submitted_at = submitted_at
+        self.sent_at = 0.0
+        self.request = request
+        self.stream = stream
 
 
 def _prod(shape: tuple[int, ...]) -> int:
@@ -87,20 +74,22 @@ def _finish_scaling(buf: Any, op: str, dtype: str, n: int, postscale: float) -> 
         _scale_integer_average(buf, n)
 
 
-def allreduce_bucket(ctx: ExecContext, resps: list[Response],
+def allreduce_bucket(group: Group, resps: list[Response],
                      entries: list[LocalEntry | None]) -> list[Any]:
     """Fuse, reduce and unpack one bucket of allreduces; returns each entry's result."""
-    t0 = time.perf_counter() if ctx.tracer.enabled else 0.0
+    t0 = time.perf_counter() if group.tracer.enabled else 0.0
     req = resps[0].request
-    n = ctx.topo.size
+    n = group.topo.size
+    if n == 1 and req.prescale == 1.0 and req.postscale == 1.0:
+        return [_alone(e) for e in entries]    # a sum or average over one rank: the input
     rdt = dtypes.reduce_dtype(req.dtype)
     sizes = [_prod(r.request.shape) for r in resps]
     total = sum(sizes)
     floating = req.dtype in dtypes.FLOATING
     comp = None
-    spec = fusion.effective_compression(resps[0], ctx.min_compress_bytes)
+    spec = fusion.effective_compression(resps[0], group.min_compress_bytes)
     if spec != "none":   # the same for every tensor of the bucket (it is in the fusion key)
-        comp = faults.wrap_compressor(ctx.compressor(spec))
+        comp = faults.wrap_compressor(group.compressor(spec))
     direct = (len(resps) == 1 and rdt == dtypes.SUPPORTED[req.dtype] and entries[0] is not None)
     if direct:
         entry = entries[0]
@@ -112,7 +101,7 @@ def allreduce_bucket(ctx: ExecContext, resps: list[Response],
             result = np.array(entry.array, dtype=rdt, order="C", copy=True)
         buf = result.reshape(-1)
     else:
-        buf = ctx.fusion.get(rdt, total)
+        buf = group.fusion.get(rdt, total)
         offset = 0
         for size, entry in zip(sizes, entries):
             part = buf[offset:offset + size]
@@ -127,8 +116,8 @@ def allreduce_bucket(ctx: ExecContext, resps: list[Response],
     names = tuple(r.request.name if e is None or e.request is None else e.request.name
                   for r, e in zip(resps, entries))
     bctx = BucketContext(names, tuple(offsets), tuple(sizes),
-                         0, ctx.step, tuple(r.request.shape for r in resps))
-    tracer = ctx.tracer
+                         0, group.step, tuple(r.request.shape for r in resps))
+    tracer = group.tracer
     t1 = time.perf_counter() if tracer.enabled else 0.0
     if faults.enabled():
         faults.check("algorithm", bctx.names, "early")
@@ -137,9 +126,9 @@ def allreduce_bucket(ctx: ExecContext, resps: list[Response],
     if floating and req.op in ("min", "max"):
         # MPI's MIN/MAX may drop a NaN depending on rank order; reduce a NaN mask alongside
         nan_mask = np.isnan(buf).astype(np.uint8)
-        ctx.topo.world.allreduce(nan_mask, "max")
-    used = algorithms.allreduce(buf, dtypes.backend_op(req.op, req.dtype), ctx.topo, comp, bctx,
-                                ctx.algorithm)
+        group.topo.world.allreduce(nan_mask, "max")
+    used = algorithms.allreduce(buf, dtypes.backend_op(req.op, req.dtype), group.topo, comp, bctx,
+                                group.algorithm, group.settings.auto)
     if nan_mask is not None and nan_mask.any():
         buf[nan_mask.view(bool)] = np.nan
     if faults.enabled():   # the bucket's communication is complete on this rank
@@ -184,6 +173,15 @@ def allreduce_bucket(ctx: ExecContext, resps: list[Response],
     return results
 
 
+def _alone(entry: LocalEntry) -> Any:
+    """The result of an unscaled allreduce over a single rank (no packing, no copy in place)."""
+    if entry.out is None:
+        return np.array(entry.array, copy=True)
+    if entry.out is not entry.array:
+        np.copyto(entry.out, entry.array)
+    return entry.out
+
+
 def _bucket_label(resps: list[Response]) -> str:
     first = resps[0].request.name
     return first if len(resps) == 1 else f"bucket[{first} +{len(resps) - 1}]"
@@ -196,7 +194,7 @@ def _trace_members(tracer: Tracer, resps: list[Response], start: float, end: flo
                     bytes=r.request.nbytes)
 
 
-def allgather(ctx: ExecContext, resp: Response, entry: LocalEntry | None) -> Any:
+def allgather(group: Group, resp: Response, entry: LocalEntry | None) -> Any:
     req = resp.request
     row = _prod(req.shape[1:])
     firsts = list(resp.per_rank)
@@ -205,12 +203,12 @@ def allgather(ctx: ExecContext, resp: Response, entry: LocalEntry | None) -> Any
     send = (np.ascontiguousarray(entry.array).reshape(-1) if entry is not None
             else np.empty(0, dtype=dt))
     _fault("early", req.name)
-    ctx.topo.world.allgatherv(send, out.reshape(-1), [f * row for f in firsts])
+    group.topo.world.allgatherv(send, out.reshape(-1), [f * row for f in firsts])
     _fault("end", req.name)
     return out
 
 
-def broadcast(ctx: ExecContext, resp: Response, entry: LocalEntry) -> Any:
+def broadcast(group: Group, resp: Response, entry: LocalEntry) -> Any:
     req = resp.request
     if entry.out is not None and entry.out.flags.c_contiguous:
         buf = entry.out
@@ -219,7 +217,7 @@ def broadcast(ctx: ExecContext, resp: Response, entry: LocalEntry) -> Any:
     else:
         buf = np.array(entry.array, order="C", copy=True)
     _fault("early", req.name)
-    ctx.topo.world.bcast(buf.reshape(-1), req.root)
+    group.topo.world.bcast(buf.reshape(-1), req.root)
     _fault("end", req.name)
     if entry.out is not None and entry.out is not buf:
         entry.out[...] = buf
@@ -227,9 +225,9 @@ def broadcast(ctx: ExecContext, resp: Response, entry: LocalEntry) -> Any:
     return buf
 
 
-def alltoall(ctx: ExecContext, resp: Response, entry: LocalEntry) -> tuple[Any, Any]:
+def alltoall(group: Group, resp: Response, entry: LocalEntry) -> tuple[Any, Any]:
     req = resp.request
-    me = ctx.topo.rank
+    me = group.topo.rank
     row = _prod(req.shape[1:])
     matrix = [list(s) for s in resp.per_rank]
     send_rows = matrix[me]
@@ -238,16 +236,16 @@ def alltoall(ctx: ExecContext, resp: Response, entry: LocalEntry) -> tuple[Any, 
     out = np.empty((sum(recv_rows), *req.shape[1:]), dtype=dt)
     send = np.ascontiguousarray(entry.array).reshape(-1)
     _fault("early", req.name)
-    ctx.topo.world.alltoallv(send, [r * row for r in send_rows], out.reshape(-1),
+    group.topo.world.alltoallv(send, [r * row for r in send_rows], out.reshape(-1),
                              [r * row for r in recv_rows])
     _fault("end", req.name)
     return out, np.asarray(recv_rows, dtype=np.int32)
 
 
-def reducescatter(ctx: ExecContext, resp: Response, entry: LocalEntry) -> Any:
+def reducescatter(group: Group, resp: Response, entry: LocalEntry) -> Any:
     req = resp.request
-    n = ctx.topo.size
-    me = ctx.topo.rank
+    n = group.topo.size
+    me = group.topo.rank
     rdt = dtypes.reduce_dtype(req.dtype)
     row = _prod(req.shape[1:])
     rows = even_counts(req.shape[0], n)
@@ -260,8 +258,8 @@ def reducescatter(ctx: ExecContext, resp: Response, entry: LocalEntry) -> Any:
     mask = None
     if req.dtype in dtypes.FLOATING and req.op in ("min", "max"):
         mask = np.empty(counts[me], np.uint8)
-        ctx.topo.world.reduce_scatterv(np.isnan(send).astype(np.uint8), mask, counts, "max")
-    ctx.topo.world.reduce_scatterv(send, recv, counts, dtypes.backend_op(req.op, req.dtype))
+        group.topo.world.reduce_scatterv(np.isnan(send).astype(np.uint8), mask, counts, "max")
+    group.topo.world.reduce_scatterv(send, recv, counts, dtypes.backend_op(req.op, req.dtype))
     if mask is not None and mask.any():
         recv[mask.view(bool)] = np.nan
     _fault("end", req.name)
@@ -269,17 +267,17 @@ def reducescatter(ctx: ExecContext, resp: Response, entry: LocalEntry) -> Any:
     return recv.reshape((rows[me], *req.shape[1:])).astype(dtypes.SUPPORTED[req.dtype], copy=False)
 
 
-def execute_single(ctx: ExecContext, resp: Response, entry: LocalEntry | None) -> Any:
+def execute_single(group: Group, resp: Response, entry: LocalEntry | None) -> Any:
     """Run a non-allreduce response; returns the entry's result."""
     coll = resp.request.coll
     if coll == Coll.ALLGATHER:
-        return allgather(ctx, resp, entry)
+        return allgather(group, resp, entry)
     if coll == Coll.BROADCAST:
-        return broadcast(ctx, resp, entry)
+        return broadcast(group, resp, entry)
     if coll == Coll.ALLTOALL:
-        return alltoall(ctx, resp, entry)
+        return alltoall(group, resp, entry)
     if coll == Coll.REDUCESCATTER:
-        return reducescatter(ctx, resp, entry)
+        return reducescatter(group, resp, entry)
     if coll in (Coll.BARRIER, Coll.REMOVE_PSET):
         return None
     if coll in (Coll.JOIN, Coll.ADD_PSET):
@@ -296,7 +294,7 @@ def _fault(mode: str, name: str) -> None:
 _AGREED = (Coll.ALLREDUCE, Coll.ALLGATHER, Coll.BROADCAST, Coll.ALLTOALL, Coll.REDUCESCATTER)
 
 
-def needs_agreement(ctx: ExecContext, resps: list[Response]) -> bool:
+def needs_agreement(group: Group, resps: list[Response]) -> bool:
     """Whether the ranks must agree on this bucket's success after executing it.
 
     Only where a rank can fail alone after the communication: a compressor or a non-flat
@@ -313,22 +311,23 @@ def needs_agreement(ctx: ExecContext, resps: list[Response]) -> bool:
         return False
     total = sum(_prod(r.request.shape) for r in resps)
     if (req.compression not in ("", "none") and req.dtype in dtypes.FLOATING
-            and req.op in ("sum", "average") and total * 4 >= ctx.min_compress_bytes):
+            and req.op in ("sum", "average") and total * 4 >= group.min_compress_bytes):
         return True
-    if ctx.algorithm == "flat":
+    if group.algorithm == "flat":
         return False
     nbytes = total * np.dtype(dtypes.reduce_dtype(req.dtype)).itemsize
     try:
-        return algorithms.choose(ctx.algorithm, nbytes, ctx.topo) != "flat"
+        return algorithms.choose(group.algorithm, nbytes, group.topo,
+                                 group.settings.auto) != "flat"
     except Exception:       # an unknown algorithm fails on every rank alike: agree anyway
         return True
 
 
-def prepare_agreement(ctx: ExecContext) -> None:
+def prepare_agreement(group: Group) -> None:
     """Give the bucket's MPI communicator a duplicate for status agreements (collective; the
     engine calls it on every rank before executing the bucket). A separate communicator
     keeps a rank that failed early from matching its peers' data collectives."""
-    world = ctx.topo.world
+    world = group.topo.world
     if getattr(world, "_lcc_agreement", None) is None and hasattr(getattr(world, "comm", None),
                                                                    "Iallreduce"):
         world._lcc_agreement = world.comm.Dup()
@@ -345,8 +344,8 @@ def release_agreement(world: Any) -> None:
             comm.Free()
 
 
-def agree(ctx: ExecContext, failed: bool, what: str) -> list[int]:
-    """Ranks of ``ctx.topo.world`` on which the bucket failed (a max-allreduce of one flag
+def agree(group: Group, failed: bool, what: str) -> list[int]:
+    """Ranks of ``group.topo.world`` on which the bucket failed (a max-allreduce of one flag
     byte per rank, on a duplicate of the bucket's communicator, after its communication has
     completed).
 
@@ -355,7 +354,7 @@ def agree(ctx: ExecContext, failed: bool, what: str) -> list[int]:
     inside MPI for good, so it aborts the job (the launcher then names this rank) instead of
     leaving it hung.
     """
-    world = ctx.topo.world
+    world = group.topo.world
     flags = np.zeros(world.size, np.uint8)
     flags[world.rank] = 1 if failed else 0
     comm = getattr(world, "_lcc_agreement", None)

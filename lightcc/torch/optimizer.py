@@ -21,11 +21,12 @@ from ..common import api as _api
 from ..common.api import Adasum, Average, global_process_set
 from ..common.exceptions import InvalidArgumentError
 from . import mpi_ops as _ops
-from ._tensor import stage
+from ._tensor import as_array, stage
 from .compression import Compression, spec_of
 from .functions import broadcast_object
 
 _STATE_KEY = "lightcc_compression"     # compressor state inside state_dict()
+_IN_PLACE = object()                   # handle info: reduced in the gradient's own memory
 
 
 class _DistributedOptimizer(torch.optim.Optimizer):
@@ -47,6 +48,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._parameter_names = self._check_names(named_parameters)
         self._allreduce_delay = {p: backward_passes_per_step for p in self._parameter_names}
         self._handles: dict[Any, tuple[Any, Any]] = {}
+        self._prepared: dict = {}            # parameter -> (engine, request, dtype)
         self._requires_update: dict = {}     # parameter -> None, in registration order
         self._hook_handles: list = []
         self._synchronized = False
@@ -176,11 +178,31 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         ctx = None
         if self._spec is None:      # Horovod-style custom compressor, per tensor
             grad, ctx = self._compression.compress(grad)
+        elif grad is p.grad and grad.device.type == "cpu" and grad.is_contiguous():
+            handle = self._submit_in_place(p, name, grad)
+            if handle is not None:
+                return handle, _IN_PLACE
         pre, post = self._scales()
         s = stage(grad, "DistributedOptimizer")
         handle = _api.allreduce_async(s.array, self.op, name, pre, post, self.process_set,
                                       self._compression if self._spec else None, out=s.array)
         return handle, (s, ctx)
+
+    def _submit_in_place(self, p: torch.Tensor, name: str, grad: torch.Tensor) -> Any:
+        """The per-step fast path: the gradient's own memory is reduced in place with the
+        request validated at the first step (same name, shape, dtype, op and scales every
+        step), so a gradient costs a view and a queue entry. None: take the general path."""
+        eng = _api.engine()
+        cached = self._prepared.get(p)
+        arr = as_array(grad)
+        if cached is not None and cached[0] is eng and cached[1].shape == arr.shape and \
+                cached[2] == arr.dtype:
+            return eng.submit(cached[1], arr, arr)
+        pre, post = self._scales()
+        handle = _api.allreduce_async(arr, self.op, name, pre, post, self.process_set,
+                                      self._compression, out=arr)
+        self._prepared[p] = (eng, handle.request, arr.dtype)
+        return handle
 
     def _submit_group(self, group: tuple) -> tuple[Any, Any]:
         for p in group:
@@ -254,6 +276,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 s.finish()
             return
         p = key
+        if info is _IN_PLACE:
+            handle.wait()
+            return
         if info == "sparse":
             p.grad = handle()
             return
@@ -343,12 +368,13 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             comp.load_state_dict(comp_state["state"])
 
     def _compressor(self, create: bool) -> Any:
+        """The compressor of this optimizer's process set (its state is per process set)."""
         if self._spec in (None, "none") or not _api.is_initialized():
             return None
-        ctx = _api.engine().ctx
+        group = _api.engine().group(_api._pset_id(self.process_set))
         if create:
-            return ctx.compressor(self._spec)
-        return ctx.compressors.get(self._spec)
+            return group.compressor(self._spec)
+        return group.compressors.get(self._spec)
 
 
 def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Any = None,

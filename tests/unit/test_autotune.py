@@ -198,14 +198,14 @@ class FakeEngine:
 
     def __post_init__(self) -> None:
         self.coordinator = SimpleNamespace(pending_settings={}, cycle_time=0.001)
-        self.ctx = SimpleNamespace(algorithm="flat")
+        self.algorithm = "flat"
         self.topo = SimpleNamespace(node_of_rank=(0, 0, 1, 1), num_nodes=2)
 
     def apply_pending(self) -> None:
         s, self.coordinator.pending_settings = self.coordinator.pending_settings, {}
         if s:
             self.fusion_threshold = s["fusion_threshold"]
-            self.ctx.algorithm = s["algorithm"]
+            self.algorithm = s["algorithm"]
             self.coordinator.cycle_time = s["cycle_time"] / 1000
 
 
@@ -217,7 +217,7 @@ def run_fake_training(eng: FakeEngine, steps: int, monkeypatch) -> None:
              for i in range(10)]
     for _ in range(steps):
         eng.apply_pending()        # the next batch carries the settings
-        cur = Setting(eng.fusion_threshold, eng.coordinator.cycle_time * 1000, eng.ctx.algorithm)
+        cur = Setting(eng.fusion_threshold, eng.coordinator.cycle_time * 1000, eng.algorithm)
         for r in resps:
             clock[0] += STEP_BYTES / speed(cur) / len(resps)
             for listener in eng.listeners:
@@ -251,7 +251,7 @@ def test_autotuner_tunes_caches_and_reuses(tmp_path: Path, monkeypatch, caplog) 
         run_fake_training(eng2, 3, monkeypatch)
     assert t2.state == "cached" and t2.loop is None
     assert eng2.fusion_threshold == tuner.loop.best.fusion_threshold
-    assert eng2.ctx.algorithm == tuner.loop.best.algorithm
+    assert eng2.algorithm == tuner.loop.best.algorithm
     assert sum("using the cached setting" in r.message for r in caplog.records) == 1
 
     # refresh: tunes again although the cache matches

@@ -117,8 +117,10 @@ def choose(name: str, nbytes: int, topo: Topology,
 
 
 def allreduce(buf: Any, op: str, topo: Topology, compressor: Compressor | None,
-              ctx: BucketContext, algorithm: str = "auto") -> str:
-    """Reduce ``buf`` over ``topo.world`` in place; returns the algorithm actually used."""
-    name = choose(algorithm, int(buf.nbytes), topo)
+              ctx: BucketContext, algorithm: str = "auto",
+              thresholds: AutoThresholds | None = None) -> str:
+    """Reduce ``buf`` over ``topo.world`` in place; returns the algorithm actually used.
+    ``thresholds`` are the process set's (its ``ExecSettings.auto``) for ``auto``."""
+    name = choose(algorithm, int(buf.nbytes), topo, thresholds)
     _REGISTRY[name](buf, op, topo, compressor, ctx)
     return name

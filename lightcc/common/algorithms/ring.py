@@ -27,7 +27,8 @@ from ._ops import empty, reduce_into, uses_compressor
 
 log = logging.getLogger("lightcc")
 
-#: Target bytes per chunk; a segment is split into ceil(segment_bytes / CHUNK_BYTES) chunks.
+#: Default bytes per chunk; a segment is split into ceil(segment_bytes / chunk) chunks, the chunk
+#: being the communicator's ``ring_chunk_bytes`` (its process set's LCC_RING_CHUNK_BYTES).
 CHUNK_BYTES = 1 << 20
 #: Upper bound on chunks per segment (= outstanding sends per rank, and the tag range used).
 MAX_CHUNKS = 16
@@ -71,7 +72,7 @@ def _ring_pass(comm: Communicator, buf: Any, counts: Sequence[int], op: str | No
     if p == 1:
         return
     right, left = (r + 1) % p, (r - 1) % p
-    k = num_chunks(counts, buf.dtype.itemsize)
+    k = num_chunks(counts, buf.dtype.itemsize, getattr(comm, "ring_chunk_bytes", None))
     sizes, starts = sub_blocks(counts, k)
 
     def piece(seg: int, c: int) -> Any:

@@ -19,8 +19,9 @@ from ..tracing import NULL
 from .base import WireStats, displacements, num_pieces, sub_blocks
 
 MAX_CHUNK_ELEMS = 1 << 30  # elements per reduction call; keeps MPI int counts in range
-#: Allreduce pieces (bytes; 0 = one call). Open MPI 5's default algorithms for messages above
-#: ~16 MB ran 3-4x slower on one node here than a loop of 4 MB calls (LCC_MPI_CHUNK_BYTES).
+#: Default allreduce piece (bytes; 0 = one call); each communicator has its own ``chunk_bytes``
+#: (its process set's LCC_MPI_CHUNK_BYTES). Open MPI 5's default algorithms for messages above
+#: ~16 MB ran 3-4x slower on one node here than a loop of 4 MB calls.
 ALLREDUCE_CHUNK_BYTES = 4 << 20
 MAX_CHUNK_BYTES = 1 << 30  # bytes per data-movement call on the large-message paths
 INT_LIMIT = (1 << 31) - 1  # MPI-3 counts and displacements are C ints
@@ -88,6 +89,8 @@ class MPICommunicator:
         self.name = name
         self.stats = WireStats()
         self.tracer = NULL
+        self.chunk_bytes = ALLREDUCE_CHUNK_BYTES     # set per process set (LCC_MPI_CHUNK_BYTES)
+        self.ring_chunk_bytes = 1 << 20              # set per process set (LCC_RING_CHUNK_BYTES)
 
     # -- reductions ---------------------------------------------------------------------------
     def _mpi_type(self, dtype: np.dtype) -> Any:
@@ -104,8 +107,8 @@ class MPICommunicator:
         mtype = self._mpi_type(flat.dtype)
         mop = getattr(MPI, _OPS[op])
         step = MAX_CHUNK_ELEMS
-        if ALLREDUCE_CHUNK_BYTES > 0:
-            step = max(1, min(step, ALLREDUCE_CHUNK_BYTES // flat.itemsize))
+        if self.chunk_bytes > 0:
+            step = max(1, min(step, self.chunk_bytes // flat.itemsize))
         for start in range(0, max(flat.size, 1), step):
             part = flat[start:start + step]
             if part.size:
@@ -121,10 +124,10 @@ class MPICommunicator:
         mtype = self._mpi_type(sendbuf.dtype)
         counts = [int(c) for c in counts]
         item = sendbuf.dtype.itemsize
-        # in ALLREDUCE_CHUNK_BYTES calls too: Open MPI's Reduce_scatter of 64 MB between 2
+        # in chunk_bytes calls too: Open MPI's Reduce_scatter of 64 MB between 2
         # ranks on one host ran at 1.2 GB/s, in 4 MB calls at 7.6 GB/s
-        pieces = 1 if ALLREDUCE_CHUNK_BYTES <= 0 or self.size == 1 else \
-            num_pieces(sum(counts) * item, ALLREDUCE_CHUNK_BYTES)
+        pieces = 1 if self.chunk_bytes <= 0 or self.size == 1 else \
+            num_pieces(sum(counts) * item, self.chunk_bytes)
         if sum(counts) > INT_LIMIT:
             self._reduce_scatterv_large(sendbuf.reshape(-1), recvbuf.reshape(-1), counts,
                                         mtype, getattr(MPI, _OPS[op]))
@@ -212,7 +215,7 @@ class MPICommunicator:
 
     def _reduce_scatterv_pieces(self, send: np.ndarray, recv: np.ndarray, counts: list[int],
                                 mtype: Any, mop: Any, pieces: int) -> None:
-        """Reduce_scatter as ``pieces`` calls of about ALLREDUCE_CHUNK_BYTES: piece q packs
+        """Reduce_scatter as ``pieces`` calls of about ``chunk_bytes``: piece q packs
         sub-block q of every rank's block (same split on every rank) and lands in sub-block q
         of ``recv``."""
         subs, starts = sub_blocks(counts, pieces)

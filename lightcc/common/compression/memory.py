@@ -17,16 +17,19 @@ import numpy as np
 
 from .base import BucketContext
 
-#: Engine steps (batches) after which an unseen tensor's state is dropped; set from
-#: ``LCC_EF_TTL_STEPS`` at ``init()``. 0 = never.
+#: Default steps (batches of the process set) after which an unseen tensor's state is dropped;
+#: each memory has its own ``ttl_steps``, set from its process set's ``LCC_EF_TTL_STEPS``.
+#: 0 = never.
 TTL_STEPS = 10_000
 
 
-def expire(last_seen: dict[str, int], step: int) -> list[str]:
-    """Keys of ``last_seen`` not seen within :data:`TTL_STEPS` of ``step`` (removed from it)."""
-    if TTL_STEPS <= 0:
+def expire(last_seen: dict[str, int], step: int, ttl: int | None = None) -> list[str]:
+    """Keys of ``last_seen`` not seen within ``ttl`` (default :data:`TTL_STEPS`) steps of
+    ``step`` (removed from it)."""
+    ttl = TTL_STEPS if ttl is None else ttl
+    if ttl <= 0:
         return []
-    stale = [k for k, seen in last_seen.items() if step - seen > TTL_STEPS]
+    stale = [k for k, seen in last_seen.items() if step - seen > ttl]
     for k in stale:
         del last_seen[k]
     return stale
@@ -47,6 +50,7 @@ class ResidualMemory:
 
     residuals: dict[str, np.ndarray] = field(default_factory=dict)
     last_seen: dict[str, int] = field(default_factory=dict)
+    ttl_steps: int = TTL_STEPS
 
     def add_to(self, buf: np.ndarray, ctx: BucketContext) -> None:
         """``buf += residual`` for every tensor in the buffer that has one."""
@@ -63,7 +67,7 @@ class ResidualMemory:
                 r = self.residuals[name] = np.zeros(size, np.float32)
             r[tlo:tlo + hi - lo] = residual[lo:hi]
             self.last_seen[name] = ctx.step
-        for name in expire(self.last_seen, ctx.step):
+        for name in expire(self.last_seen, ctx.step, self.ttl_steps):
             self.residuals.pop(name, None)
 
     def clear(self, names: Iterable[str] | None = None) -> None:

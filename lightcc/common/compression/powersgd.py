@@ -166,7 +166,7 @@ class PowerSGDCompressor:
             if self.warm_start:
                 self.qs[key] = q.copy()
                 self.q_seen[key] = ctx.step
-        for key in expire(self.q_seen, ctx.step):
+        for key in expire(self.q_seen, ctx.step, self.memory.ttl_steps):
             self.qs.pop(key, None)
 
     def wire_bytes(self, numel: int, nranks: int, ctx: BucketContext | None = None) -> int:

@@ -137,18 +137,20 @@ def main() -> None:
                 case += 1
                 check(topo, algo, op, dtype, LARGE, case, ctx)
     # tiny chunks: many chunks in flight on small buffers
-    saved = ring.CHUNK_BYTES
-    ring.CHUNK_BYTES = 16
+    comms = (topo.world, topo.local, topo.cross)
+    saved = [c.ring_chunk_bytes for c in comms]
+    for c in comms:
+        c.ring_chunk_bytes = 16
     for algo in ("ring", "2d"):
         for n in (5, 97, 1003):
             case += 1
             check(topo, algo, "sum", np.int64, n, case, ctx)
-    ring.CHUNK_BYTES = saved
-    # the MPI backend's reduce_scatterv in pieces of ALLREDUCE_CHUNK_BYTES (uneven blocks,
-    # empty blocks, pieces larger than some blocks)
-    from lightcc.common.backends import mpi as mpi_backend
-    saved_chunk = mpi_backend.ALLREDUCE_CHUNK_BYTES
-    mpi_backend.ALLREDUCE_CHUNK_BYTES = 256
+    for c, v in zip(comms, saved):
+        c.ring_chunk_bytes = v
+    # the MPI backend's reduce_scatterv in pieces of chunk_bytes (uneven blocks, empty blocks,
+    # pieces larger than some blocks)
+    saved_chunk = topo.world.chunk_bytes
+    topo.world.chunk_bytes = 256
     p = topo.size
     for op, dtype in (("sum", np.int64), ("min", np.float32), ("sum", np.float64)):
         for counts in ([1000 + 37 * r for r in range(p)], [0] * (p - 1) + [2001],
@@ -163,7 +165,7 @@ def main() -> None:
             if not np.allclose(out, want, rtol=1e-6, atol=1e-6):
                 fail(f"reduce_scatterv in pieces op={op} counts={counts}: got {out[:4]}, "
                      f"want {want[:4]}")
-    mpi_backend.ALLREDUCE_CHUNK_BYTES = saved_chunk
+    topo.world.chunk_bytes = saved_chunk
     # pipelined hierarchical: many pieces (up to the MAX_PIECES cap), several depths
     saved = hierarchical.PIECE_BYTES, hierarchical.DEPTH
     hierarchical.PIECE_BYTES = 64

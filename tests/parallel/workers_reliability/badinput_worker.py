@@ -163,7 +163,7 @@ lcc.init(ef_ttl_steps=10)            # residuals unseen for 10 engine steps are 
 for i in range(40):                  # 40 names, each seen once (a model that changes layers)
     lcc.allreduce(np.full(2048, 1.0, np.float32), name=f"gone.{i}", compression="topk:0.05")
 state = {spec: len(getattr(c, "memory").residuals) for spec, c in
-         api.engine().ctx.compressors.items() if hasattr(c, "memory")}
+         api.engine().group(0).compressors.items() if hasattr(c, "memory")}
 if state.get("topk:0.05", 0) >= 40:
     print(f"rank {R}: KNOWN: EF-LEAK topk keeps {state['topk:0.05']} residuals of tensors "
           f"seen once ({state['topk:0.05'] * 2048 * 4 / 2**20:.2f} MiB)", flush=True)

@@ -20,7 +20,7 @@ orig = eng._apply_settings
 
 
 def record(settings):
-    applied.append((eng.ctx.step, tuple(sorted(settings.items()))))
+    applied.append((eng.batches, tuple(sorted(settings.items()))))
     orig(settings)
 
 
@@ -36,14 +36,14 @@ lcc.barrier()
 everyone = MPI.COMM_WORLD.allgather(applied)
 assert all(a == everyone[0] for a in everyone), everyone
 assert everyone[0], "no settings were ever applied"
-final = MPI.COMM_WORLD.allgather((eng.fusion_threshold, eng.ctx.algorithm))
+final = MPI.COMM_WORLD.allgather((eng.fusion_threshold, eng.algorithm))
 assert len(set(final)) == 1, final
 if r == 0:
     tuner = autotune.active()
     print(f"STATE {tuner.state} changes={len(applied)} final={final[0]}", flush=True)
     if mode == "tune":
         assert tuner.state == "done" and tuner.loop.settled_at <= 300, tuner.state
-        assert (eng.fusion_threshold, eng.ctx.algorithm) == (tuner.loop.best.fusion_threshold,
+        assert (eng.fusion_threshold, eng.algorithm) == (tuner.loop.best.fusion_threshold,
                                                             tuner.loop.best.algorithm)
     else:
         assert tuner.state == "cached" and len(applied) == 1, (tuner.state, applied)

@@ -1,0 +1,131 @@
+"""One process set on this rank: its members, communicators, settings, buffers and compressors.
+
+The engine keeps one :class:`Group` per process set (the global set is group 0). Everything the
+executor needs for a bucket hangs off it as plain attributes, so the hot path does no lookups in
+module globals and two process sets never share state: each has its own fusion buffer and its
+own compressors, hence its own error-feedback residuals and PowerSGD factors.
+
+:class:`ExecSettings` are frozen; a change (the autotuner's, applied at the same batch on every
+rank) replaces them and pushes the chunk sizes down to the group's communicators.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from . import compression
+from .algorithms import AutoThresholds
+from .fusion import FusionBuffer
+from .topology import Topology
+from .tracing import NULL, Tracer
+
+
+@dataclass(frozen=True)
+class ExecSettings:
+    """How a group executes collectives (units: bytes, steps); see config.py for each knob."""
+
+    algorithm: str = "auto"
+    fusion_threshold: int = 64 << 20
+    min_compress_bytes: int = 4096
+    ring_chunk_bytes: int = 1 << 20
+    mpi_chunk_bytes: int = 4 << 20
+    ef_ttl_steps: int = 10_000
+    auto: AutoThresholds = AutoThresholds()
+
+    @classmethod
+    def from_config(cls, cfg: Any) -> "ExecSettings":
+        return cls(algorithm=cfg.algorithm, fusion_threshold=cfg.fusion_threshold,
+                   min_compress_bytes=cfg.min_compress_bytes,
+                   ring_chunk_bytes=cfg.ring_chunk_bytes, mpi_chunk_bytes=cfg.mpi_chunk_bytes,
+                   ef_ttl_steps=cfg.ef_ttl_steps,
+                   auto=AutoThresholds(small_bytes=cfg.auto_small_bytes,
+                                       hierarchical_bytes=cfg.auto_multinode_bytes,
+                                       multi_node=cfg.auto_multi_node))
+
+    def changed(self, **changes: Any) -> "ExecSettings":
+        """A copy with ``changes``; ``auto_thresholds`` takes a dict of AutoThresholds fields."""
+        auto = changes.pop("auto_thresholds", None)
+        out = dataclasses.replace(self, **changes)
+        if auto:
+            out = dataclasses.replace(out, auto=dataclasses.replace(out.auto, **auto))
+        return out
+
+
+@dataclass
+class Group:
+    """A process set as this rank sees it (``topo`` is None where this rank is not a member)."""
+
+    pset: int
+    ranks: tuple[int, ...]
+    topo: Topology | None
+    settings: ExecSettings = field(default_factory=ExecSettings)
+    fusion: FusionBuffer = field(default_factory=FusionBuffer)
+    compressors: dict[str, Any] = field(default_factory=dict)
+    step: int = 0                  # batches that executed work of this group
+    tracer: Tracer = NULL
+
+    def __post_init__(self) -> None:
+        self._push_chunks()
+
+    # -- membership ----------------------------------------------------------------------------
+    def index(self, world_rank: int) -> int | None:
+        """``world_rank``'s position in the set, or None when it is not a member."""
+        return self.ranks.index(world_rank) if world_rank in self.ranks else None
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+    # -- what the executor reads -------------------------------------------------------------
+    @property
+    def algorithm(self) -> str:
+        return self.settings.algorithm
+
+    @property
+    def min_compress_bytes(self) -> int:
+        return self.settings.min_compress_bytes
+
+    def compressor(self, spec: str) -> Any:
+        """This group's compressor for ``spec`` (made once, so its state persists)."""
+        if spec in ("", "none"):
+            return None
+        comp = self.compressors.get(spec)
+        if comp is None:
+            comp = self.compressors[spec] = compression.make(spec)
+            memory = getattr(comp, "memory", None)
+            if memory is not None:
+                memory.ttl_steps = self.settings.ef_ttl_steps
+        return comp
+
+    # -- changes --------------------------------------------------------------------------------
+    def apply(self, settings: ExecSettings) -> None:
+        """Take new settings (same values, same batch, on every rank)."""
+        self.settings = settings
+        for comp in self.compressors.values():
+            memory = getattr(comp, "memory", None)
+            if memory is not None:
+                memory.ttl_steps = settings.ef_ttl_steps
+        self._push_chunks()
+
+    def set_tracer(self, tracer: Tracer) -> None:
+        self.tracer = tracer
+        for comm in self._comms():
+            comm.tracer = tracer
+
+    def _push_chunks(self) -> None:
+        for comm in self._comms():
+            comm.chunk_bytes = self.settings.mpi_chunk_bytes
+            comm.ring_chunk_bytes = self.settings.ring_chunk_bytes
+
+    def _comms(self) -> list:
+        t = self.topo
+        return [] if t is None else [t.world, t.local, t.cross]
+
+    def free(self, free_world: bool = True) -> None:
+        """Free the communicators (collective over the members) and the buffers."""
+        self.fusion.release()
+        if self.topo is not None:
+            self.topo.free()
+            if free_world:
+                self.topo.world.free()
