@@ -308,8 +308,6 @@ class Engine:
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cv:
             self._drivers += 1
-        if self._sleeping:
-            self._plane.wake()       # the background thread leaves poll() and stands aside
         try:
             while not handle._event.is_set():
                 if self._dead is not None or self._stopping:
@@ -344,8 +342,13 @@ class Engine:
                         self._stop_thread()
                     return
                 with self._progress:
-                    if not self._drivers:
+                    sleep = 0.0 if self._drivers else \
                         self._step(MAX_WAIT_S, None, background=True)
+                if sleep > 0.0:          # blocks outside the progress lock, so a thread that
+                    try:                 # starts waiting on a handle can drive at once
+                        self._plane.wait(sleep)
+                    finally:
+                        self._sleeping = False
         except BaseException as exc:  # never die silently: fail everything that waits
             log.exception("lightcc background thread failed")
             with self._lock:
@@ -357,9 +360,11 @@ class Engine:
             for e in entries:
                 e.handle._set(error=LightCCError(f"background thread failed: {exc!r}"))
 
-    def _step(self, wait: float, handle: Handle | None, background: bool = False) -> bool:
-        """One round: send what is new, take what arrived, execute what is agreed. Blocks up
-        to ``wait`` seconds (in the kernel) only when there was nothing to do.
+    def _step(self, wait: float, handle: Handle | None, background: bool = False) -> float:
+        """One round: send what is new, take what arrived, execute what is agreed. With
+        nothing to do, a driver (``handle`` given) blocks up to ``wait`` seconds in the kernel;
+        the background thread instead returns how long it may sleep (0: call again at once)
+        and sleeps outside the progress lock.
 
         In lazy mode (see :func:`overlap_in_background`) the background thread leaves new
         submissions to the thread that will wait for them, unless they have waited
@@ -382,10 +387,13 @@ class Engine:
                     (handle is None and self._drivers) or \
                     (handle is not None and handle._event.is_set()):
                 timeout = 0.0
-        try:
-            frames = self._plane.poll(timeout)
-        finally:
-            self._sleeping = False
+        if background:
+            frames = self._plane.poll(0.0)
+        else:
+            try:
+                frames = self._plane.poll(timeout)
+            finally:
+                self._sleeping = False
         if frames:
             progressed = True
             if self.coordinator is not None:
@@ -401,7 +409,10 @@ class Engine:
             progressed = True
         if frames and self.coordinator is not None:
             progressed |= self._coordinate()
-        return progressed
+        if progressed or not background:
+            self._sleeping = False
+            return 0.0
+        return timeout
 
     def _flush_queue(self) -> bool:
         """Tell the coordinator about new submissions (cache ids where possible)."""

@@ -229,6 +229,14 @@ class ControlPlane:
                 self._read(conn, frames)
         return frames
 
+    def wait(self, timeout: float) -> None:
+        """Block up to ``timeout`` seconds until a frame can be read, output can be flushed, a
+        peer closed or :meth:`wake` was called; reads nothing (the next :meth:`poll` does), so
+        it may run while another thread polls."""
+        for key, _ in self._sel.select(max(timeout, 0.0)):
+            if key.data is None:
+                self._drain_wake()
+
     def _read(self, conn: _Conn, frames: list[tuple[int, bytes]]) -> None:
         while True:
             try:
