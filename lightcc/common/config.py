@@ -99,9 +99,13 @@ KNOBS: tuple[Knob, ...] = (
     Knob("stall_check_time", "LCC_STALL_CHECK_TIME", _parse_float, 60.0, "s",
          "Warn (on rank 0) when a tensor submitted by some ranks waits this long for the "
          "others; names the tensor and the missing ranks. 0 disables the check.", _min(0.0)),
-    Knob("stall_shutdown_time", "LCC_STALL_SHUTDOWN_TIME", _parse_float, 0.0, "s",
-         "Fail stalled collectives with StallError on every rank after this long. 0 = never.",
-         _min(0.0)),
+    Knob("stall_shutdown_time", "LCC_STALL_SHUTDOWN_TIME", _parse_float, 600.0, "s",
+         "Fail a collective that some ranks never submitted with StallError, on every rank "
+         "that did, after this long; the error names the collective, who submitted it and what "
+         "the missing ranks wait in instead. 600 s bounds how long a job whose ranks diverged "
+         "(one left a loop early) sits idle, while leaving room for rank-0-only work such as "
+         "evaluation or checkpointing (torch.distributed's gloo gives up after 30 min). "
+         "0 = never.", _min(0.0)),
     Knob("log_level", "LCC_LOG_LEVEL", lambda t: t.strip().lower(), "warning", "",
          "Logging level of the 'lightcc' logger.", _choice(LOG_LEVELS)),
     Knob("local_size", "LCC_LOCAL_SIZE", _parse_int, 0, "ranks",

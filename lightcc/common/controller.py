@@ -31,7 +31,9 @@ from .cache import ResponseCache, SignatureCache
 from .messages import (COLL_NAMES, ORDERED, Batch, Coll, OrderedItem, RankMessage, Request,
                        Response)
 
-JOIN_OK = (Coll.ALLREDUCE, Coll.ALLGATHER, Coll.BARRIER)
+#: What works while some ranks have called join() (they contribute zeros to an allreduce), as
+#: in Horovod; allgather, broadcast, alltoall and reducescatter fail with an error instead.
+JOIN_OK = (Coll.ALLREDUCE, Coll.BARRIER)
 SCAN_PERIOD_S = 1.0     # longest time between two scans for stalls
 
 
@@ -165,8 +167,7 @@ class Coordinator:
         present = entry.reqs.keys()
         if len(present) == len(members) and not self.gone:
             return set(), set()
-        coll = next(iter(entry.reqs.values())).coll if entry.reqs else Coll.ALLREDUCE
-        joined = set(self.joined) if key[1] == 0 and coll in JOIN_OK else set()
+        joined = set(self.joined) if key[1] == 0 else set()   # validate() rejects what
         missing = set(members) - set(present) - joined
         return missing - self.gone, missing & self.gone
 
@@ -237,11 +238,6 @@ class Coordinator:
                 errors.append((key, self._error(entry, key, "shutdown",
                                                 f"{_fmt_ranks(gone)} {how} before "
                                                 f"submitting it")))
-            elif missing and key[1] == 0 and missing <= set(self.joined):
-                errors.append((key, self._error(entry, key, "join",
-                                                f"{_fmt_ranks(missing)} called join(); only "
-                                                f"allreduce and allgather work while ranks are "
-                                                f"joined")))
             elif not missing:
                 if entry.ready_at is None:
                     self._mark_ready(key, entry, now)
@@ -256,13 +252,30 @@ class Coordinator:
             errors.append((key, self._error(entry, key, "stall",
                                             f"stalled for {age:.1f} s: submitted by "
                                             f"{_fmt_ranks(entry.reqs)}, never by "
-                                            f"{_fmt_ranks(missing)}")))
+                                            f"{_fmt_ranks(missing)}; "
+                                            f"{self._doing(missing, key)}")))
         elif self.stall_check > 0 and age >= self.stall_check and \
                 now - entry.warned_at >= self.stall_check:
             entry.warned_at = now
             self.warnings.append(
                 f"stall: {desc} has waited {age:.1f} s; ready on {_fmt_ranks(entry.reqs)}, "
-                f"missing {_fmt_ranks(missing)}")
+                f"missing {_fmt_ranks(missing)}; {self._doing(missing, key)}")
+
+    def _doing(self, ranks: set[int], skip: tuple, most: int = 3) -> str:
+        """What ``ranks`` wait for instead: their other pending collectives (for stall text)."""
+        parts = []
+        for r in sorted(ranks)[:most]:
+            waits = [e.reqs[r].describe() for k, e in self.pending.items()
+                     if k != skip and r in e.reqs]
+            if waits:
+                more = f" and {len(waits) - 2} more" if len(waits) > 2 else ""
+                parts.append(f"rank {r} waits in {', '.join(waits[:2])}{more}")
+            else:
+                parts.append(f"rank {r} has submitted nothing that is pending (busy outside "
+                             f"lightcc, or it left the loop)")
+        if len(ranks) > most:
+            parts.append(f"{len(ranks) - most} more ranks")
+        return "; ".join(parts)
 
     def _type_mismatches(self) -> list:
         """Errors for names that every member submitted, but under different collective types."""
@@ -352,7 +365,8 @@ def validate(members: tuple[int, ...], reqs: dict[int, Request],
     ref = reqs[ref_rank]
     if joined and ref.coll not in JOIN_OK:
         return Response(ref, error=f"{ref.describe()}: {_fmt_ranks(joined)} called join(); "
-                                   f"only allreduce and allgather work while ranks are joined",
+                                   f"{COLL_NAMES[ref.coll]} is not supported while ranks are "
+                                   f"joined (only allreduce and barrier are, as in Horovod)",
                         error_kind="join")
     checks = [("collective", lambda q: COLL_NAMES[q.coll], str),
               ("dtype", lambda q: q.dtype, str), ("op", lambda q: q.op, str),

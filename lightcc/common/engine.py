@@ -546,8 +546,8 @@ class Engine:
                 if e is not None:
                     e.handle._set(error=InvalidArgumentError(f"process set {req.pset} is gone"))
             return
-        if all(e is None for e in entries) and not (self._joined and req.coll in
-                                                    (Coll.ALLREDUCE, Coll.ALLGATHER)):
+        if all(e is None for e in entries) and not (self._joined and
+                                                    req.coll == Coll.ALLREDUCE):
             return
         tracer = self.tracer
         start = time.perf_counter()

@@ -124,15 +124,17 @@ class ControlPlane:
             info = (listener.getsockname()[1], remote, os.urandom(8))
         port, remote, token = comm.bcast(info, root=0)
         if self.rank == 0:
-            ok = self._accept_all(listener, token)
+            self._accept_all(listener, token)
             listener.close()
+            ok = True
         else:
             same_host = hostnames[self.rank] == hostnames[0]
             tried = (["127.0.0.1"] if same_host and not override else []) + list(remote)
             ok = self._connect(tried, port, token)
         oks = comm.allgather(ok)
-        if not all(oks):
-            bad = [r for r, good in enumerate(oks) if not good]
+        heard = comm.bcast(sorted(self._conns) if self.rank == 0 else None, root=0)
+        bad = [r for r in range(1, self.size) if not oks[r] or r not in heard]
+        if bad:
             self.close()
             raise LightCCError(
                 f"lightcc's control connection to rank 0 (port {port}, addresses "
@@ -152,17 +154,18 @@ class ControlPlane:
             return True
         return False
 
-    def _accept_all(self, listener: socket.socket, token: bytes) -> bool:
+    def _accept_all(self, listener: socket.socket, token: bytes) -> None:
+        """Accept every other rank's connection, or stop at the deadline."""
         deadline = time.monotonic() + ACCEPT_TIMEOUT_S
         while len(self._conns) < self.size - 1:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                return False
+                return
             listener.settimeout(remaining)
             try:
                 sock, _ = listener.accept()
             except (socket.timeout, OSError):
-                return False
+                return
             try:
                 sock.settimeout(max(1.0, remaining))
                 hello = _recv_exactly(sock, _HELLO.size)
@@ -175,7 +178,6 @@ class ControlPlane:
                 continue
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             self._add(sock, rank)
-        return True
 
     def _add(self, sock: socket.socket, rank: int) -> None:
         sock.setblocking(False)

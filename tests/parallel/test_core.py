@@ -27,6 +27,25 @@ def test_stall_warning_names_tensor_and_missing_ranks_then_stall_error():
     assert "StallError" in out and out.count("stall ok") == 3, out
 
 
+def test_diverged_ranks_fail_with_stall_errors_naming_what_each_waits_in():
+    out = run_mpi(2, [W + "diverge.py"], env={"LCC_STALL_CHECK_TIME": "1",
+                                              "LCC_STALL_SHUTDOWN_TIME": "3"},
+                  timeout=60).stdout
+    assert out.count("diverge ok") == 2, out
+
+
+@pytest.mark.parametrize("np_,overlap", [(2, "0"), (3, "1")])
+def test_ordered_streams_unnamed_and_shared(np_, overlap):
+    out = run_mpi(np_, [W + "ordered.py"], env={"LCC_OVERLAP": overlap}).stdout
+    assert out.count("ordered ok") == np_, out
+
+
+def test_stall_shutdown_is_finite_by_default():
+    from lightcc.common import config
+
+    assert config.load({}, environ={}).stall_shutdown_time == 600.0
+
+
 @pytest.mark.parametrize("np_,fusion", [(2, "4096"), (3, "0"), (4, "67108864")])
 def test_random_sequences_in_random_order(np_, fusion):
     n = "200" if np_ < 4 else "60"

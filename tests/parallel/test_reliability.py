@@ -65,6 +65,11 @@ def test_error_feedback_state_of_vanished_tensors_is_bounded(badinput_output):
     assert "EF-LEAK" not in badinput_output, badinput_output
 
 
+def test_many_threads_driving_at_once_leave_the_engine_working():
+    out = run_mpi(2, [str(WORKERS / "drivers_stress.py")], timeout=150).stdout
+    assert out.count("drivers ok") == 2, out
+
+
 # ---- under lccrun, with the engine busy ------------------------------------------------------
 def _lccrun_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     from tests.mpi_harness import REPO

@@ -267,3 +267,103 @@ def test_batch_and_message_round_trip():
     msg = RankMessage(cached=[1, 2], requests=[ar("q")], shutdown=True)
     back = RankMessage.decode(msg.encode())
     assert back.cached == [1, 2] and back.requests == [ar("q")] and back.shutdown
+
+
+# ---- ordered streams (matched by position) ------------------------------------------------
+from lightcc.common.cache import SignatureCache  # noqa: E402
+from lightcc.common.messages import SHARED_STREAM, OrderedItem, signature  # noqa: E402
+
+
+def ordered(coord, rank, *items, pset=0, stream=SHARED_STREAM):
+    coord.receive(rank, RankMessage(ordered=[(pset, stream, i) for i in items]))
+
+
+def test_ordered_requests_match_by_position_not_label():
+    coord, _ = make()
+    ordered(coord, 0, ar("label-a"), ar("label-b", shape=(8,)))
+    ordered(coord, 1, ar("other-a"))
+    batch = coord.tick()
+    (item,) = batch.items
+    assert isinstance(item, OrderedItem) and item.payload.request.shape == (4,)
+    assert not item.payload.error
+    ordered(coord, 1, ar("other-b", shape=(8,)))
+    (item,) = coord.tick().items
+    assert item.payload.request.shape == (8,) and not item.payload.error
+
+
+@pytest.mark.parametrize("change,text", [
+    ({"shape": (5,)}, "rank 1 has shape (5,), rank 0 has (4,)"),
+    ({"dtype": "int32"}, "rank 1 has dtype int32, rank 0 has float32"),
+    ({"op": "max"}, "rank 1 has op max, rank 0 has sum"),
+])
+def test_ordered_mismatch_is_an_error_for_that_position_only(change, text):
+    coord, _ = make()
+    ordered(coord, 0, ar("x"), ar("y"))
+    kw = {"shape": (4,), "dtype": "float32", "op": "sum", **change}
+    ordered(coord, 1, ar("x", **kw), ar("y"))
+    first, second = coord.tick().items
+    assert first.payload.error_kind == "mismatch" and text in first.payload.error
+    assert not second.payload.error
+
+
+def test_ordered_collective_type_mismatch_on_the_shared_stream():
+    coord, _ = make()
+    ordered(coord, 0, ar("x"))
+    ordered(coord, 1, Request(Coll.BROADCAST, "x", "float32", (4,), root=0))
+    (item,) = coord.tick().items
+    assert "rank 1 has collective broadcast, rank 0 has allreduce" in item.payload.error
+
+
+def test_ordered_signature_cache_ids_in_steady_state():
+    coord, _ = make()
+    worker = SignatureCache(16)
+    ordered(coord, 0, ar("x"))
+    ordered(coord, 1, ar("x"))
+    (item,) = coord.tick().items
+    assert worker.add(item.payload, 1) == 0
+    sid = worker.lookup(signature(ar("any label")))
+    assert sid == 0
+    ordered(coord, 0, sid)
+    ordered(coord, 1, sid)
+    (item,) = coord.tick().items
+    assert item.payload == 0           # only the id travels
+    assert worker.lookup(signature(ar("x", shape=(2,)))) == -1
+
+
+def test_ordered_streams_are_independent():
+    coord, _ = make()
+    ordered(coord, 0, ar("a"), stream=int(Coll.ALLREDUCE))
+    ordered(coord, 0, Request(Coll.ALLGATHER, "g", "float32", (2, 3)),
+            stream=int(Coll.ALLGATHER))
+    ordered(coord, 1, Request(Coll.ALLGATHER, "g", "float32", (5, 3)),
+            stream=int(Coll.ALLGATHER))
+    (item,) = coord.tick().items
+    assert item.stream == int(Coll.ALLGATHER) and item.payload.per_rank == (2, 5)
+    ordered(coord, 1, ar("a"), stream=int(Coll.ALLREDUCE))
+    (item,) = coord.tick().items
+    assert item.stream == int(Coll.ALLREDUCE)
+
+
+def test_joined_rank_skips_ordered_positions_and_stays_aligned():
+    coord, _ = make(size=2)
+    submit(coord, 1, Request(Coll.JOIN, "join"))
+    ordered(coord, 0, ar("p0"), ar("p1"))
+    batch = coord.tick()
+    assert len(batch.items) == 2 and batch.joined == (1,)
+    submit(coord, 0, Request(Coll.JOIN, "join"))
+    coord.tick()
+    # after join, rank 1's next ordered request lines up with rank 0's next one
+    ordered(coord, 0, ar("after", shape=(2,)))
+    ordered(coord, 1, ar("after", shape=(2,)))
+    (item,) = coord.tick().items
+    assert not item.payload.error and item.payload.request.shape == (2,)
+
+
+def test_ordered_stall_names_what_the_missing_rank_waits_in():
+    coord, clock = make(stall=1.0, stall_shutdown=5.0)
+    ordered(coord, 0, ar("grad"))
+    submit(coord, 1, Request(Coll.BARRIER, "barrier.noname.0"))
+    clock.t = 6.0
+    texts = [getattr(i, "payload", i).error for i in coord.tick().items]
+    assert any("allreduce 'grad'" in t and "never by rank 1" in t
+               and "rank 1 waits in barrier 'barrier.noname.0'" in t for t in texts), texts
