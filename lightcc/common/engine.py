@@ -46,7 +46,7 @@ log = logging.getLogger("lightcc")
 _EXEC_FIELDS = ("fusion_threshold", "algorithm", "auto_thresholds", "min_compress_bytes",
                 "ring_chunk_bytes", "mpi_chunk_bytes", "ef_ttl_steps")
 MAX_WAIT_S = 1.0            # longest single block in the kernel (stops are also woken)
-LAZY_FLUSH_S = 0.05         # lazy mode: the background thread sends what waited this long
+LAZY_FLUSH_S = 1.0          # lazy mode: the background thread sends what waited this long
 DRIVER_LOCK_WAIT_S = 0.002  # a driver that finds another thread stepping re-checks this often
 
 
@@ -131,6 +131,9 @@ class Handle:
         self._engine = engine
 
     def done(self) -> bool:
+        """True once complete; never blocks (in lazy mode it also starts queued work)."""
+        if not self._event.is_set() and self._engine is not None and self._engine.lazy:
+            self._engine.nudge()
         return self._event.is_set()
 
     def wait(self, timeout: float | None = None) -> Any:
@@ -187,7 +190,8 @@ class Engine:
         self._progress = threading.Lock()    # serializes _step(): every MPI call is under it
         self._cv = threading.Condition()     # guards _drivers
         self._drivers = 0                    # user threads currently driving progress
-        self._sleeping = False               # a thread is (about to be) blocked in poll()
+        self._bg_sleeping = False            # the background thread is (about to be) asleep
+        self._drv_sleeping = False           # a driving thread is (about to be) blocked
         self._queue: list[executor.LocalEntry] = []
         self._inflight: dict[tuple, executor.LocalEntry] = {}
         self._streams: dict[tuple[int, int], deque] = {}   # (pset, stream) -> entries
@@ -268,7 +272,7 @@ class Engine:
             if not self._queue:
                 self._queued_at = now
             self._queue.append(entry)
-        if wake and self._sleeping and not self.lazy:
+        if wake and (self._bg_sleeping or self._drv_sleeping) and not self.lazy:
             self._plane.wake()
         return handle
 
@@ -330,6 +334,16 @@ class Engine:
                 if not self._drivers:
                     self._cv.notify_all()
 
+    def nudge(self) -> None:
+        """One non-blocking step on the calling thread, if nobody else is stepping (lazy mode:
+        a thread that polls a handle starts the queued work instead of waiting for it)."""
+        if self._progress.acquire(blocking=False):
+            try:
+                if self._dead is None and not self._stopping:
+                    self._step(0.0, None)
+            finally:
+                self._progress.release()
+
     def _run(self) -> None:
         try:
             while True:
@@ -348,7 +362,7 @@ class Engine:
                     try:                 # starts waiting on a handle can drive at once
                         self._plane.wait(sleep)
                     finally:
-                        self._sleeping = False
+                        self._bg_sleeping = False
         except BaseException as exc:  # never die silently: fail everything that waits
             log.exception("lightcc background thread failed")
             with self._lock:
@@ -368,7 +382,7 @@ class Engine:
 
         In lazy mode (see :func:`overlap_in_background`) the background thread leaves new
         submissions to the thread that will wait for them, unless they have waited
-        :data:`LAZY_FLUSH_S` already (someone polls a handle instead of waiting on it).
+        :data:`LAZY_FLUSH_S` already (nobody waits for them or polls them).
         """
         hold = 0.0
         if background and self.lazy and self._queue:
@@ -382,7 +396,10 @@ class Engine:
                 timeout = min(timeout, self.coordinator.next_deadline())
             if hold > 0.0:
                 timeout = min(timeout, hold)
-            self._sleeping = True
+            if background:
+                self._bg_sleeping = True
+            else:
+                self._drv_sleeping = True
             if (self._queue and hold <= 0.0) or self._stopping or \
                     (handle is None and self._drivers) or \
                     (handle is not None and handle._event.is_set()):
@@ -393,7 +410,7 @@ class Engine:
             try:
                 frames = self._plane.poll(timeout)
             finally:
-                self._sleeping = False
+                self._drv_sleeping = False
         if frames:
             progressed = True
             if self.coordinator is not None:
@@ -410,7 +427,8 @@ class Engine:
         if frames and self.coordinator is not None:
             progressed |= self._coordinate()
         if progressed or not background:
-            self._sleeping = False
+            if background:
+                self._bg_sleeping = False
             return 0.0
         return timeout
 
