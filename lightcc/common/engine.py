@@ -204,6 +204,7 @@ class Engine:
         self._counters: dict[tuple[int, int], itertools.count] = {}
         self.lazy = not overlap_in_background(config.overlap, self.topo)
         self._queued_at = 0.0                # when the oldest queued entry was queued
+        self._urgent = False                 # the queue holds work lazy mode must not hold
         self.listeners: list = []      # callables(event: str, **info), e.g. the autotuner
         self._thread = threading.Thread(target=self._run, name="lightcc-engine", daemon=True)
         self._thread.start()
@@ -272,7 +273,13 @@ class Engine:
             if not self._queue:
                 self._queued_at = now
             self._queue.append(entry)
-        if wake and (self._bg_sleeping or self._drv_sleeping) and not self.lazy:
+            # lazy mode holds what a thread will wait for through synchronize(); the shared
+            # ordered stream (torch.distributed) is awaited through torch futures lightcc
+            # cannot see, so it always starts in the background
+            eager = not self.lazy or stream == SHARED_STREAM
+            if eager:
+                self._urgent = True
+        if wake and eager and (self._bg_sleeping or self._drv_sleeping):
             self._plane.wake()
         return handle
 
@@ -385,7 +392,7 @@ class Engine:
         :data:`LAZY_FLUSH_S` already (nobody waits for them or polls them).
         """
         hold = 0.0
-        if background and self.lazy and self._queue:
+        if background and self.lazy and self._queue and not self._urgent:
             hold = self._queued_at + LAZY_FLUSH_S - time.perf_counter()
         progressed = self._flush_queue() if hold <= 0.0 else False
         if self.coordinator is not None:
@@ -438,6 +445,7 @@ class Engine:
             return False
         with self._lock:
             new, self._queue = self._queue, []
+            self._urgent = False
         msg = RankMessage()
         now = time.perf_counter()
         for entry in new:
