@@ -271,11 +271,12 @@ def _run(cmd: list[str], env: dict, timeout: float) -> str:
     return proc.stdout
 
 
-def table(rows: list[dict], configs: list[str], baseline: str, cpu: bool) -> str:
-    """Markdown table: best / median img/s per model and config, ratios to ``baseline``."""
+def table(rows: list[dict], configs: list[str], baselines: list[str], cpu: bool) -> str:
+    """Markdown table: best / median img/s per model and config, ratios to each baseline."""
     lines = []
-    head = ["model"] + [f"{c} img/s" for c in configs] + \
-        [f"{c} / {baseline}" for c in configs if c != baseline]
+    gloo = [c for c in configs if c == "ddp" or c.startswith("ddp:")]    # the peers themselves
+    pairs = [(c, b) for b in baselines for c in configs if c not in gloo]
+    head = ["model"] + [f"{c} img/s" for c in configs] + [f"{c} / {b}" for c, b in pairs]
     if cpu:
         head += [f"{c} engine CPU" for c in configs if c.startswith("lightcc")]
     lines.append("| " + " | ".join(head) + " |")
@@ -287,10 +288,8 @@ def table(rows: list[dict], configs: list[str], baseline: str, cpu: bool) -> str
         for c in configs:
             vals = [r["img_s"] for r in by_cfg[c]]
             cells.append(f"{max(vals):.0f} ({statistics.median(vals):.0f})" if vals else "-")
-        for c in configs:
-            if c == baseline:
-                continue
-            ratios = [a["img_s"] / b["img_s"] for a, b in zip(by_cfg[c], by_cfg[baseline])]
+        for c, base in pairs:
+            ratios = [x["img_s"] / y["img_s"] for x, y in zip(by_cfg[c], by_cfg[base])]
             cells.append(f"{statistics.median(ratios):.2f}x" if ratios else "-")
         if cpu:
             for c in configs:
@@ -306,8 +305,8 @@ def main() -> None:
     parser.add_argument("--models", default="mlp,resmlp,cnn")
     parser.add_argument("--configs", default=None,
                         help=f"default: {DEFAULT_CONFIGS} (with --netns: {NETNS_CONFIGS})")
-    parser.add_argument("--baseline", default=None, help="column for ratios (default: ddp, "
-                        "or ddp:fp16 with --netns)")
+    parser.add_argument("--baseline", default=None, help="columns to take ratios to, comma "
+                        "separated (default: ddp, and ddp:fp16 when it runs)")
     parser.add_argument("-np", "--np", dest="np_", type=int, default=2, help="ranks")
     parser.add_argument("--batch-size", type=int, default=32, help="samples per rank")
     parser.add_argument("--iters", type=int, default=30, help="timed steps per round")
@@ -332,9 +331,9 @@ def main() -> None:
     if args.worker:
         worker_main(args)
         return
-    baseline = args.baseline or ("ddp:fp16" if args.netns and "ddp:fp16" in args.configs
-                                 else "ddp")
     configs = args.configs.split(",")
+    baselines = [b for b in (args.baseline or "ddp,ddp:fp16").split(",") if b in configs] \
+        or [configs[-1]]
     passthrough = [f"--models={args.models}", f"--configs={args.configs}",
                    f"--batch-size={args.batch_size}", f"--iters={args.iters}",
                    f"--warmup={args.warmup}", f"--rounds={args.rounds}",
@@ -345,7 +344,7 @@ def main() -> None:
           f"thread(s)/rank, {args.iters} timed steps x {args.rounds} rounds; img/s best "
           f"(median); ratios: median of per-round ratios", flush=True)
     rows = launch(args, passthrough, args.np_)
-    print(table(rows, configs, baseline if baseline in configs else configs[-1], args.cpu))
+    print(table(rows, configs, baselines, args.cpu))
     result: dict = {"rows": rows}
     if args.engine_cost:
         args.netns = False
