@@ -97,15 +97,15 @@ def test_flags_reach_every_rank():
     ("raise", 1, "lccrun: rank 1 exited with code 1 (uncaught RuntimeError: planned failure"),
 ])
 def test_failed_rank_ends_job_and_is_named(mode, victim, expect, tmp_path):
+    # The survivors block in a barrier the victim never reaches: only a teardown ends the job
+    # (run_lccrun's timeout turns a job left hanging into a failure; no elapsed-time bound).
     stamp = tmp_path / "failed_at"
     rc, out, err, _ = run_lccrun(
         ["-np", "2", sys.executable, str(WORKERS / "fail.py"), mode, str(victim), str(stamp)],
         timeout=40)
-    ended = time.time()
     assert rc != 0, f"lccrun exited 0 although rank {victim} failed\n{err}"
     assert stamp.exists(), f"rank {victim} never reached its failure point\n{err}"
-    elapsed = ended - float(stamp.read_text())
-    assert elapsed < 10.0, f"job took {elapsed:.1f} s to end after the failure\n{err}"
+    assert "survivor finished" not in out, f"a survivor ran to its end: no teardown\n{out}"
     assert expect in last_lines(err), f"last lines do not name the rank:\n{err[-3000:]}"
     if mode == "exit":
         assert rc == 3
@@ -114,10 +114,12 @@ def test_failed_rank_ends_job_and_is_named(mode, victim, expect, tmp_path):
 
 
 def test_failing_non_python_rank_is_named():
-    rc, out, err, elapsed = run_lccrun(
-        ["-np", "2", "sh", "-c", 'if [ "$OMPI_COMM_WORLD_RANK" = 1 ]; then exit 4; fi; sleep 30'])
+    # rank 0 would sleep far past run_lccrun's timeout: only a teardown ends the job in time
+    rc, out, err, _ = run_lccrun(
+        ["-np", "2", "sh", "-c",
+         'if [ "$OMPI_COMM_WORLD_RANK" = 1 ]; then exit 4; fi; sleep 600; echo survivor finished'])
     assert rc == 4, err
-    assert elapsed < 20.0
+    assert "survivor finished" not in out, out
     assert "lccrun: rank 1 exited with code 4" in last_lines(err), err[-3000:]
 
 
@@ -146,26 +148,26 @@ def test_sigint_stops_every_rank_and_their_children(tmp_path):
             time.sleep(0.05)
         # lccrun, prterun, two ranks and one escaped child per rank carry the marker
         assert len(_marked(marker)) >= 4
-        t0 = time.monotonic()
+        # the ranks ignore SIGINT and sleep 120 s: finishing within finish()'s timeout means
+        # lccrun stopped them (no elapsed-time bound beyond that hang guard)
         os.kill(proc.pid, signal.SIGINT)
-        rc, out, err = finish(proc, timeout=20)
-        elapsed = time.monotonic() - t0
+        rc, out, err = finish(proc, timeout=60)
     finally:
         if proc.poll() is None:
             _kill_everything(proc)
     assert rc == 130, f"rc={rc}\n{err}"
-    assert elapsed < 10.0, f"SIGINT took {elapsed:.1f} s"
     assert "interrupted by SIGINT" in last_lines(err)
     left = _marked(marker)
-    deadline = time.monotonic() + 2.0
-    while left and time.monotonic() < deadline:  # allow the kernel to finish the kills
+    deadline = time.monotonic() + 30.0   # a hang guard: the kernel finishes the kills
+    while left and time.monotonic() < deadline:
         time.sleep(0.1)
         left = [p for p in _marked(marker) if p.status() != psutil.STATUS_ZOMBIE]
     assert not left, f"processes left behind: {[(p.pid, p.cmdline()) for p in left]}"
 
 
 def test_bad_script_is_refused_before_launch():
-    rc, out, err, elapsed = run_lccrun(["-np", "2", sys.executable, "no_such_script_xyz.py"])
+    rc, out, err, _ = run_lccrun(["-np", "2", sys.executable, "no_such_script_xyz.py"])
     assert rc == 2
+    # one line from lccrun and nothing from mpirun or a rank: nothing was launched
     assert err.strip().count("\n") == 0 and "no_such_script_xyz.py" in err, err
-    assert elapsed < 10.0
+    assert not out.strip(), out

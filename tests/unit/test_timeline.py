@@ -48,8 +48,7 @@ def test_file_without_closing_bracket_is_recoverable(tmp_path: Path) -> None:
     tl = Timeline(str(path))
     t0 = time.perf_counter()
     tl.span("a", "QUEUE", t0, t0 + 1e-4)
-    deadline = time.time() + 5
-    while "QUEUE" not in path.read_text() and time.time() < deadline:
+    while "QUEUE" not in path.read_text():   # no deadline: pytest's timeout catches a hang
         time.sleep(0.01)
     text = path.read_text()
     assert text.startswith("[\n") and text.endswith(",\n")
@@ -116,22 +115,3 @@ def test_start_stop_rank_files(tmp_path: Path) -> None:
     assert json.loads(Path(path + ".rank1").read_text())[0]["args"] == {"name": "rank 1"}
     with pytest.raises(ValueError):
         timeline.start(e0, "")
-
-
-def test_cost_per_event_is_small(tmp_path: Path) -> None:
-    """Off: one attribute check; on: one deque append (measured, printed for the docs)."""
-    n = 20000
-    t0 = time.perf_counter()
-    for _ in range(n):
-        if NULL.enabled:
-            NULL.span("a", "QUEUE", 0.0, 1.0)
-    off = (time.perf_counter() - t0) / n
-    tl = Timeline(str(tmp_path / "t.json"))
-    t0 = time.perf_counter()
-    for _ in range(n):
-        if tl.enabled:
-            tl.span("a", "QUEUE", 0.0, 1.0, bytes=4)
-    on = (time.perf_counter() - t0) / n
-    tl.close()
-    print(f"per event: off {off * 1e9:.0f} ns, on {on * 1e9:.0f} ns")
-    assert off < 2e-6 and on < 20e-6

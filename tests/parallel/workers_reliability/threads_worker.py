@@ -67,10 +67,9 @@ took = run_threads()
 eng = api.engine()
 assert eng._drivers == 0, f"driver counter drifted to {eng._drivers}"
 # pure-async progress still works after the threads (the background thread drives it)
+# (no deadline: a handle that never completes is a hang, which run_mpi's timeout reports)
 h = lcc.allreduce_async(np.ones(2), op=lcc.Sum, name="async.only")
-deadline = time.monotonic() + 10
 while not lcc.poll(h):
-    assert time.monotonic() < deadline, "an async handle never completed without synchronize"
     time.sleep(0.001)
 assert np.all(lcc.synchronize(h) == N)
 lcc.shutdown()
