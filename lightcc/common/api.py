@@ -338,9 +338,7 @@ def _op(op: Any, default: str, what: str, dtype: str) -> str:
 
 def _scales(pre: float, post: float, dtype: str, what: str) -> tuple[float, float]:
     pre, post = float(pre), float(post)
-    if (pre != 1.0 or post != 1.0) and dtype not in dtypes.FLOATING:
-        raise InvalidArgumentError(f"{what}: prescale/postscale factors need a floating-point "
-                                   f"tensor, got {dtype}")
+    dtypes.check_scaling(pre, post, dtype, what)    # integers scale as in Horovod; not bool
     return pre, post
 
 
@@ -476,21 +474,41 @@ def allgather(array: Any, name: str | None = None, process_set: Any = None, *,
 def broadcast_async(array: Any, root_rank: int, name: str | None = None,
                     process_set: Any = None, out: np.ndarray | None = None, *,
                     ordered: bool = False) -> Handle:
-    """Start copying ``root_rank``'s ``array`` to every rank (rank within the process set)."""
+    """Start copying ``root_rank``'s ``array`` to every member of the process set.
+
+    ``root_rank`` is a *global* rank (a member of the set), as in Horovod for every framework.
+    """
     eng = _get()
     arr = _as_array(array, "broadcast")
     dt = dtypes.name_of(arr.dtype)
     pset = _pset_id(process_set)
     members = eng.pset(pset).ranks
+    root = _root_index(root_rank, members, eng.size,   # before a name is generated
+                       "broadcast" if name is None else f"broadcast '{name}'")
     nm, stream, label = _name(eng, Coll.BROADCAST, name, pset, ordered)
-    if isinstance(root_rank, (bool, np.bool_)) or not isinstance(root_rank, (int, np.integer)) \
-            or not 0 <= int(root_rank) < len(members):
-        raise InvalidArgumentError(f"broadcast '{nm}': root_rank {root_rank!r} is out of range "
-                                   f"for a process set of {len(members)} ranks")
     _check_out(out, arr, f"broadcast '{nm}'")
-    return eng.submit(Request(Coll.BROADCAST, nm, dt, tuple(arr.shape), root=int(root_rank),
-                              pset=pset), arr, out, stream=stream,
-                      label=label)
+    return eng.submit(Request(Coll.BROADCAST, nm, dt, tuple(arr.shape), root=root,
+                              pset=pset), arr, out, stream=stream, label=label)
+
+
+def _root_index(root_rank: Any, members: Sequence[int], world_size: int, what: str) -> int:
+    """The position within the process set of the global rank ``root_rank``.
+
+    Checked on the caller's thread before anything is sent: every member that passes the same
+    wrong root raises the same error, and no member is left waiting for a root that never
+    comes.
+    """
+    if isinstance(root_rank, (bool, np.bool_)) or not isinstance(root_rank, (int, np.integer)):
+        raise InvalidArgumentError(f"{what}: root_rank must be an int, got {root_rank!r}")
+    root = int(root_rank)
+    if not 0 <= root < world_size:
+        raise InvalidArgumentError(f"{what}: root_rank {root} is out of range for {world_size} "
+                                   f"ranks")
+    if root not in members:
+        raise InvalidArgumentError(f"{what}: root_rank {root} is not a member of the process "
+                                   f"set (global ranks {list(members)}); root_rank is a global "
+                                   f"rank, as in Horovod")
+    return list(members).index(root)
 
 
 def broadcast(array: Any, root_rank: int, name: str | None = None,

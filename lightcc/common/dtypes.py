@@ -72,3 +72,26 @@ def check_op(op: str, name: str, what: str) -> None:
         raise InvalidArgumentError(f"{what}: unknown op {op!r}; use one of {', '.join(OPS)}")
     if name == "bool" and op == "average":
         raise UnsupportedDTypeError(f"{what}: Average is not defined for bool tensors")
+
+
+def scale_integers(values: np.ndarray, factor: float, out: np.ndarray | None = None) -> np.ndarray:
+    """``values * factor`` for an integer array, the way Horovod scales integer tensors.
+
+    Horovod multiplies each element by the float64 factor and converts back to the element
+    type, which truncates toward zero (C's float-to-integer conversion); an Average's
+    ``1/size`` is folded into that factor. lightcc computes the same float64 product and
+    truncation; a result outside the element type's range wraps like an integer overflow
+    (Horovod leaves that case undefined). Writes into ``out`` (default: ``values``, in place)
+    and returns it.
+    """
+    target = values if out is None else out
+    product = np.trunc(values.astype(np.float64) * np.float64(factor))
+    np.copyto(target, product.astype(np.int64), casting="unsafe")
+    return target
+
+
+def check_scaling(pre: float, post: float, name: str, what: str) -> None:
+    """Scale factors apply to floating-point and integer dtypes, not to bool."""
+    if (pre != 1.0 or post != 1.0) and name not in FLOATING and name not in INTEGER:
+        raise InvalidArgumentError(f"{what}: prescale/postscale factors need a numeric tensor, "
+                                   f"got {name}")

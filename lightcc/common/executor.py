@@ -70,6 +70,10 @@ def _finish_scaling(buf: Any, op: str, dtype: str, n: int, postscale: float) -> 
         factor = _float_factor(op, n, postscale)
         if factor != 1.0:
             buf *= factor
+    elif dtype in dtypes.INTEGER and postscale != 1.0:     # Horovod's float64 scaling
+        factor = _float_factor(op, n, postscale)
+        if factor != 1.0:
+            dtypes.scale_integers(buf, factor)
     elif op == "average" and dtype in dtypes.INTEGER:
         _scale_integer_average(buf, n)
 
@@ -112,6 +116,8 @@ def allreduce_bucket(group: Group, resps: list[Response],
             offset += size
     if floating and req.prescale != 1.0:
         buf *= req.prescale
+    elif req.prescale != 1.0 and req.dtype in dtypes.INTEGER:
+        dtypes.scale_integers(buf, req.prescale)
     offsets = displacements(sizes)
     names = tuple(r.request.name if e is None or e.request is None else e.request.name
                   for r, e in zip(resps, entries))
@@ -252,6 +258,8 @@ def reducescatter(group: Group, resp: Response, entry: LocalEntry) -> Any:
     send = np.ascontiguousarray(np.asarray(entry.array), dtype=rdt).reshape(-1)
     if req.dtype in dtypes.FLOATING and req.prescale != 1.0:
         send = send * req.prescale
+    elif req.prescale != 1.0 and req.dtype in dtypes.INTEGER:
+        send = dtypes.scale_integers(send, req.prescale, out=np.empty_like(send))
     recv = np.empty(rows[me] * row, dtype=rdt)
     counts = [r * row for r in rows]
     _fault("early", req.name)

@@ -3,7 +3,8 @@
 ``import lightcc.torch as hvd`` is meant to run a Horovod training script unchanged: the same
 function names, argument names and defaults, averaging by default, in-place ``*_`` variants,
 integer handles for ``poll``/``synchronize``, ``DistributedOptimizer``, the broadcast helpers
-and ``SyncBatchNorm``. See docs/torch.md for the (few) differences.
+and ``SyncBatchNorm``. See docs/torch.md ("Differences from Horovod") for the few deliberate
+differences and the options that restore Horovod's behaviour.
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from .mpi_ops import (allgather, allgather_async, allreduce, allreduce_, allredu
                       grouped_allreduce_async, grouped_allreduce_async_, grouped_reducescatter,
                       grouped_reducescatter_async, join, poll, reducescatter,
                       reducescatter_async, sparse_allreduce_async, synchronize)
+from .autograd import gradient_semantics, set_gradient_semantics  # after .mpi_ops (a cycle)
 from .optimizer import DistributedOptimizer
 from .sync_batch_norm import SyncBatchNorm
 
@@ -35,11 +37,11 @@ __all__ = [
     "broadcast", "broadcast_", "broadcast_async", "broadcast_async_", "broadcast_object",
     "broadcast_optimizer_state", "broadcast_parameters", "ccl_built", "cross_rank",
     "cross_size", "cuda_built", "ddl_built", "gloo_built", "gloo_enabled",
-    "global_process_set", "grouped_allgather", "grouped_allgather_async",
+    "global_process_set", "gradient_semantics", "grouped_allgather", "grouped_allgather_async",
     "grouped_allreduce", "grouped_allreduce_", "grouped_allreduce_async",
     "grouped_allreduce_async_", "grouped_reducescatter", "grouped_reducescatter_async",
     "init", "is_homogeneous", "is_initialized", "join", "local_rank", "local_size",
     "mpi_built", "mpi_enabled", "mpi_threads_supported", "nccl_built", "poll", "rank",
-    "reducescatter", "reducescatter_async", "remove_process_set", "rocm_built", "shutdown",
-    "size", "sparse_allreduce_async", "start_timeline", "stop_timeline", "synchronize",
+    "reducescatter", "reducescatter_async", "remove_process_set", "rocm_built",
+    "set_gradient_semantics", "shutdown", "size", "sparse_allreduce_async", "start_timeline", "stop_timeline", "synchronize",
 ]

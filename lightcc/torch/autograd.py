@@ -1,28 +1,76 @@
 """Differentiable collectives: ``allreduce``, ``allgather``, ``broadcast``, ``alltoall``,
 ``reducescatter`` and their grouped forms.
 
-Gradient convention: each rank computes its own loss from the collective's output, and the
-gradient a rank receives for its input is the gradient of the *sum of all ranks' losses*, the
-same value a single process would compute holding every rank's data. Hence allreduce-Average
-back-propagates an average, allgather and broadcast a sum (broadcast: to the root only), and
-reducescatter an allgather. (Horovod averages in the allgather/broadcast backward, i.e. it
-divides those two by the set size.) Backward collectives use generated names, so every rank
-must run backward through the same collectives in the same order.
+Gradient semantics (:func:`set_gradient_semantics`):
+
+- ``"horovod"`` (the default) gives exactly Horovod's gradients, which assume the loss is
+  averaged over ranks: allgather's backward averages the incoming gradients over the set and
+  keeps this rank's slice; broadcast's averages them and gives the result to the root (zeros
+  elsewhere); reducescatter's allgathers the gradient times ``prescale * postscale`` (times
+  the set size for Sum).
+- ``"sum_of_losses"``: the gradient a rank receives is the gradient of the *sum of all ranks'
+  losses*, the value one process holding every rank's data would compute (allgather and
+  broadcast sum instead of averaging; reducescatter divides by the set size).
+
+Both agree on allreduce Sum/Average and alltoall. Min/Max/Product allreduce always get their
+exact gradient (Horovod re-applies the op to the gradients instead). Backward collectives use
+generated names, so every rank must run backward through the same collectives in the same
+order.
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+import contextlib
+from typing import Any, Iterator, Sequence
 
 import torch
 from torch.autograd import Function
 
+from ..common import api as _api
 from ..common.api import Average, Max, Min, Product, Sum, global_process_set
+from ..common.exceptions import InvalidArgumentError
 from ..common.messages import Coll
 from . import mpi_ops as _ops
 from .compression import spec_of
 
+HOROVOD = "horovod"
+SUM_OF_LOSSES = "sum_of_losses"
+_semantics = HOROVOD
 
-def _scale(op: Any, pre: float, post: float, n: int) -> float:
+
+def set_gradient_semantics(mode: str) -> str:
+    """Choose the gradients of allgather, broadcast and reducescatter; returns the previous mode.
+
+    ``"horovod"`` (default): Horovod's (the loss is assumed averaged over ranks).
+    ``"sum_of_losses"``: the gradient of the sum of all ranks' losses. The mode in force when
+    a collective runs forward decides its backward.
+    """
+    global _semantics
+    if mode not in (HOROVOD, SUM_OF_LOSSES):
+        raise InvalidArgumentError(f"gradient semantics must be {HOROVOD!r} or "
+                                   f"{SUM_OF_LOSSES!r}, got {mode!r}")
+    previous, _semantics = _semantics, mode
+    return previous
+
+
+@contextlib.contextmanager
+def gradient_semantics(mode: str) -> Iterator[None]:
+    """``with gradient_semantics("sum_of_losses"): ...`` (see :func:`set_gradient_semantics`)."""
+    previous = set_gradient_semantics(mode)
+    try:
+        yield
+    finally:
+        set_gradient_semantics(previous)
+
+
+def _gather_reduce_op(mode: str) -> Any:
+    """How allgather's and broadcast's backward combine the ranks' gradients."""
+    return Average if mode == HOROVOD else Sum
+
+
+def _scatter_grad_scale(op: Any, pre: float, post: float, n: int, mode: str) -> float:
+    """The factor reducescatter's backward applies before allgathering the gradient."""
+    if mode == HOROVOD:
+        return pre * post * (n if op == Sum else 1)
     return pre * post / (n if op == Average else 1)
 
 
@@ -113,9 +161,11 @@ def grouped_allreduce(tensors: Sequence[torch.Tensor], average: Any = None,
 
 
 # ---- allgather --------------------------------------------------------------------------------
-def _allgather_grad(grad: torch.Tensor, dim0: int, process_set: Any) -> torch.Tensor:
-    total = _ops.synchronize(_ops._allreduce_submit(grad.contiguous(), False, None, Sum, 1.0,
-                                                    1.0, process_set))
+def _allgather_grad(grad: torch.Tensor, dim0: int, process_set: Any,
+                    mode: str) -> torch.Tensor:
+    total = _ops.synchronize(_ops._allreduce_submit(grad.contiguous(), False, None,
+                                                    _gather_reduce_op(mode), 1.0, 1.0,
+                                                    process_set))
     dims = allgather(torch.tensor([dim0], dtype=torch.int64), process_set=process_set)
     offset = int(dims[:_ops._pset_rank(process_set)].sum())
     return total.narrow(0, offset, dim0)
@@ -125,11 +175,12 @@ class _Allgather(Function):
     @staticmethod
     def forward(ctx, tensor, name, process_set):
         ctx.dim0, ctx.process_set = tensor.shape[0] if tensor.dim() else 0, process_set
+        ctx.mode = _semantics
         return _ops.synchronize(_ops.allgather_async(tensor, name, process_set))
 
     @staticmethod
     def backward(ctx, grad):
-        return _allgather_grad(grad, ctx.dim0, ctx.process_set), None, None
+        return _allgather_grad(grad, ctx.dim0, ctx.process_set, ctx.mode), None, None
 
 
 def allgather(tensor: torch.Tensor, name: str | None = None,
@@ -142,11 +193,12 @@ class _GroupedAllgather(Function):
     @staticmethod
     def forward(ctx, name, process_set, *tensors):
         ctx.dims, ctx.process_set = [t.shape[0] for t in tensors], process_set
+        ctx.mode = _semantics
         return tuple(_ops.synchronize(_ops.grouped_allgather_async(tensors, name, process_set)))
 
     @staticmethod
     def backward(ctx, *grads):
-        return (None, None, *[_allgather_grad(g, d, ctx.process_set)
+        return (None, None, *[_allgather_grad(g, d, ctx.process_set, ctx.mode)
                               for g, d in zip(grads, ctx.dims)])
 
 
@@ -161,21 +213,25 @@ def grouped_allgather(tensors: Sequence[torch.Tensor], name: str | None = None,
 class _Broadcast(Function):
     @staticmethod
     def forward(ctx, tensor, root_rank, name, process_set):
-        ctx.root_rank, ctx.process_set = root_rank, process_set
+        ctx.root_rank, ctx.process_set, ctx.mode = root_rank, process_set, _semantics
         return _ops.synchronize(_ops.broadcast_async(tensor, root_rank, name, process_set))
 
     @staticmethod
     def backward(ctx, grad):
-        total = _ops.synchronize(_ops._allreduce_submit(grad.contiguous(), False, None, Sum,
-                                                        1.0, 1.0, ctx.process_set))
-        if _ops._pset_rank(ctx.process_set) != ctx.root_rank:
+        total = _ops.synchronize(_ops._allreduce_submit(grad.contiguous(), False, None,
+                                                        _gather_reduce_op(ctx.mode), 1.0, 1.0,
+                                                        ctx.process_set))
+        if _api.rank() != ctx.root_rank:
             total = torch.zeros_like(total)
         return total, None, None, None
 
 
 def broadcast(tensor: torch.Tensor, root_rank: int, name: str | None = None,
               process_set: Any = global_process_set) -> torch.Tensor:
-    """``root_rank``'s ``tensor`` on every rank (a new tensor); differentiable."""
+    """``root_rank``'s ``tensor`` on every rank (a new tensor); differentiable.
+
+    ``root_rank`` is a global rank, also within a process set (as in Horovod).
+    """
     return _Broadcast.apply(tensor, root_rank, name, process_set)
 
 
@@ -209,7 +265,7 @@ def alltoall(tensor: torch.Tensor, splits: Any = None, name: str | None = None,
 class _Reducescatter(Function):
     @staticmethod
     def forward(ctx, tensor, name, op, process_set, pre, post):
-        ctx.scale = _scale(op, pre, post, _ops._pset_size(process_set))
+        ctx.scale = _scatter_grad_scale(op, pre, post, _ops._pset_size(process_set), _semantics)
         ctx.process_set = process_set
         return _ops.synchronize(_ops.reducescatter_async(tensor, name, op, process_set, pre,
                                                          post))
@@ -249,7 +305,7 @@ def reducescatter(tensor: torch.Tensor, name: str | None = None, compression: An
 class _GroupedReducescatter(Function):
     @staticmethod
     def forward(ctx, name, op, process_set, pre, post, *tensors):
-        ctx.scale = _scale(op, pre, post, _ops._pset_size(process_set))
+        ctx.scale = _scatter_grad_scale(op, pre, post, _ops._pset_size(process_set), _semantics)
         ctx.process_set = process_set
         return tuple(_ops.synchronize(_ops.grouped_reducescatter_async(
             tensors, name, op, process_set, pre, post)))

@@ -14,6 +14,7 @@ from typing import Any, Iterable
 import numpy as np
 import torch
 
+from ..common import api as _api
 from ..common.api import global_process_set
 from . import mpi_ops as _ops
 
@@ -23,11 +24,13 @@ except ImportError:  # pragma: no cover - cloudpickle ships with most torch inst
     _pickler = pickle
 
 
-def broadcast_parameters(params: Any, root_rank: int) -> None:
+def broadcast_parameters(params: Any, root_rank: int,
+                         process_set: Any = global_process_set) -> None:
     """Copy ``root_rank``'s parameters into every rank's tensors, in place.
 
     ``params`` is a ``model.state_dict()`` (dict, broadcast in sorted key order), a list of
-    ``(name, tensor)`` pairs (``model.named_parameters()``) or of tensors.
+    ``(name, tensor)`` pairs (``model.named_parameters()``) or of tensors. ``root_rank`` is a
+    global rank; ``process_set`` (a lightcc extension) limits the copy to that set's members.
     """
     if isinstance(params, dict):
         items = sorted(params.items())
@@ -35,19 +38,25 @@ def broadcast_parameters(params: Any, root_rank: int) -> None:
         items = [p if isinstance(p, tuple) else (None, p) for p in params]
     else:
         raise ValueError(f"invalid params of type: {type(params)}")
-    handles = [_ops.broadcast_async_(p, root_rank, name) for name, p in items]
+    _ops._check_root(root_rank, process_set, "broadcast_parameters")
+    handles = [_ops.broadcast_async_(p, root_rank, name, process_set) for name, p in items]
     for handle in handles:
         _ops.synchronize(handle)
 
 
 def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int,
-                              model: torch.nn.Module | None = None) -> None:
+                              model: torch.nn.Module | None = None,
+                              process_set: Any = global_process_set) -> None:
     """Make every rank's optimizer state (tensors, scalars and options like ``lr``) equal
     ``root_rank``'s. A fresh optimizer gets its state created first (one step on zero
     gradients, without communication), so this works before the first ``step()``. Python
-    types of options and scalar state are kept (they travel pickled)."""
+    types of options and scalar state are kept (they travel pickled). An optimizer still
+    without state after that step (SGD without momentum) is left alone, options included, as
+    in Horovod. ``root_rank`` is a global rank; ``process_set`` (a lightcc extension) limits
+    it to that set's members."""
     if isinstance(optimizer, torch.optim.LBFGS):
         raise ValueError("cannot broadcast torch.optim.LBFGS state")
+    _ops._check_root(root_rank, process_set, "broadcast_optimizer_state")
     state_dict = optimizer.state_dict()
     if len(state_dict["state"]) == 0:
         _init_state(optimizer, model)
@@ -72,8 +81,9 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int,
                 else:
                     scalars[key] = value
                     setters[key] = _state_setter(state_dict["state"][pid], name)
-    broadcast_parameters(tensors, root_rank)
-    for key, value in broadcast_object(scalars, root_rank, name="optimizer_state").items():
+    broadcast_parameters(tensors, root_rank, process_set)
+    for key, value in broadcast_object(scalars, root_rank, name="optimizer_state",
+                                       process_set=process_set).items():
         setters[key](value)
 
 
@@ -121,13 +131,15 @@ def _loads(data: torch.Tensor) -> Any:
 
 def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None,
                      process_set: Any = global_process_set) -> Any:
-    """Return ``root_rank``'s ``obj`` on every rank (pickled; ``root_rank`` within the set).
+    """Return ``root_rank``'s ``obj`` on every rank of ``process_set`` (pickled).
 
-    The default name does not depend on ``obj``'s type (Horovod's does), so non-root ranks may
-    pass ``None``.
+    ``root_rank`` is a global rank, also within a process set (as in Horovod). The default
+    name does not depend on ``obj``'s type (Horovod's does), so non-root ranks may pass
+    ``None``.
     """
     name = "broadcast_object" if name is None else name
-    is_root = _ops._pset_rank(process_set) == root_rank
+    _ops._check_root(root_rank, process_set, "broadcast_object")
+    is_root = _api.rank() == root_rank
     payload = _dumps(obj) if is_root else None
     size = torch.tensor([payload.numel() if is_root else 0], dtype=torch.int64)
     _ops.broadcast_(size, root_rank, f"{name}.sz", process_set)

@@ -96,6 +96,19 @@ def _pset_rank(process_set: Any) -> int:
     return -1 if idx is None else idx
 
 
+def _check_root(root_rank: Any, process_set: Any, what: str) -> None:
+    """Raise on this rank, before anything is sent, unless the global rank ``root_rank`` is
+    a member of ``process_set`` (every member checks the same thing, so none is left waiting).
+    """
+    members = _api.engine().pset(_pset_id(process_set)).ranks
+    _api._root_index(root_rank, members, _api.size(), what)
+
+
+def _first_member(process_set: Any) -> int:
+    """The lowest global rank of ``process_set`` (a root every member can name)."""
+    return _api.engine().pset(_pset_id(process_set)).ranks[0]
+
+
 def _base_name(coll: Coll, name: str | None, process_set: Any) -> str:
     if name is not None:
         return name
@@ -240,7 +253,11 @@ def _broadcast_submit(tensor: torch.Tensor, inplace: bool, root_rank: int, name:
 
 def broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None = None,
                     process_set: Any = global_process_set) -> int:
-    """Start copying ``root_rank``'s tensor to every rank; ``tensor`` is not modified."""
+    """Start copying ``root_rank``'s tensor to every rank; ``tensor`` is not modified.
+
+    ``root_rank`` is a global rank, also within a process set (as in Horovod); a root that is
+    not a member raises ``ValueError`` on the caller before anything is sent.
+    """
     return _broadcast_submit(tensor, False, root_rank, name, process_set)
 
 

@@ -136,7 +136,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     def _form_groups(self, params: list[torch.Tensor]) -> None:
         """Explicit groups: every rank orders parameters like rank 0, then splits them."""
-        names = broadcast_object([self._parameter_names[p] for p in params], root_rank=0,
+        names = broadcast_object([self._parameter_names[p] for p in params],
+                                 root_rank=_ops._first_member(self.process_set),
                                  name="lightcc.optimizer.groups", process_set=self.process_set)
         order = {name: i for i, name in enumerate(names)}
         params = sorted(params, key=lambda p: order.get(self._parameter_names[p], len(order)))
@@ -208,14 +209,21 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         for p in group:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-        staged = [stage(p.grad, "DistributedOptimizer") for p in group]
+        pairs = [self._compress(p.grad) for p in group]
+        staged = [stage(grad, "DistributedOptimizer") for grad, _ in pairs]
         pre, post = self._scales()
         arrays = [s.array for s in staged]
         handle = _api.grouped_allreduce_async(arrays, self.op, self._parameter_names[group[0]],
                                               pre, post, self.process_set,
                                               self._compression if self._spec else None,
                                               outs=arrays)
-        return handle, staged
+        return handle, [(s, ctx) for s, (_, ctx) in zip(staged, pairs)]
+
+    def _compress(self, grad: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        """A Horovod-style compressor's ``compress`` (per tensor); identity for the engine's."""
+        if self._spec is None:
+            return self._compression.compress(grad)
+        return grad, None
 
     def _on_grad(self, p: torch.Tensor) -> None:
         """Post-accumulate-grad hook: count the pass; reduce once the last one arrived."""
@@ -270,21 +278,22 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._synchronized = True
 
     def _finish(self, key: Any, handle: Any, info: Any) -> None:
-        if isinstance(key, tuple):
-            handle.wait()
-            for s in info:
-                s.finish()
-            return
-        p = key
         if info is _IN_PLACE:
             handle.wait()
             return
         if info == "sparse":
-            p.grad = handle()
+            key.grad = handle()
             return
         handle.wait()
-        s, ctx = info
-        reduced = s.finish()
+        if isinstance(key, tuple):
+            for p, (s, ctx) in zip(key, info):
+                self._write_back(p, s.finish(), ctx)
+        else:
+            s, ctx = info
+            self._write_back(key, s.finish(), ctx)
+
+    def _write_back(self, p: torch.Tensor, reduced: torch.Tensor, ctx: Any) -> None:
+        """Decompress (Horovod-style compressors) and put the reduced gradient in ``p.grad``."""
         if self._spec is None:
             reduced = self._compression.decompress(reduced, ctx)
         if reduced is not p.grad:
@@ -378,7 +387,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
 
 def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Any = None,
-                         compression: Any = Compression.none, backward_passes_per_step: int = 1,
+                         compression: Any = None, backward_passes_per_step: int = 1,
                          op: Any = Average, gradient_predivide_factor: float = 1.0,
                          num_groups: int = 0, groups: Any = None, sparse_as_dense: bool = False,
                          process_set: Any = global_process_set) -> _DistributedOptimizer:
@@ -387,7 +396,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Any
     Arguments follow ``horovod.torch.DistributedOptimizer``: ``named_parameters`` (names for
     the allreduces, usually ``model.named_parameters()``; must be unique and cover every
     parameter), ``compression`` (a ``Compression`` value, applied by the engine per fused
-    bucket), ``backward_passes_per_step`` (local accumulation before reducing; gradients are
+    bucket, or a Horovod-style compressor applied per tensor; when not given, the default set
+    by ``LCC_COMPRESSION`` / ``lccrun --compression``, else none), ``backward_passes_per_step`` (local accumulation before reducing; gradients are
     summed over passes, not averaged), ``op`` (Average or Sum), ``gradient_predivide_factor``
     (scale by 1/f before the sum and f/size after; Average only), ``groups``/``num_groups``
     (reduce these parameters together), ``sparse_as_dense`` and ``process_set``. Call
@@ -409,9 +419,19 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Any
         raise InvalidArgumentError("Adasum is not supported by lightcc; use op=Average")
     if isinstance(optimizer, _DistributedOptimizer):
         raise ValueError("optimizer is already a DistributedOptimizer")
+    if compression is None:
+        compression = default_compression()
     return _DistributedOptimizer(optimizer, named_parameters, compression,
                                  backward_passes_per_step, op, gradient_predivide_factor, groups,
                                  sparse_as_dense, process_set)
+
+
+def default_compression() -> Any:
+    """The compressor ``DistributedOptimizer`` uses when given none: ``LCC_COMPRESSION`` (or
+    ``lccrun --compression``, or ``init(compression=...)``) as a spec string, else
+    ``Compression.none``."""
+    spec = _api.config().compression
+    return Compression.none if spec in ("", "none") else spec
 
 
 def _check_groups(groups: Any) -> None:

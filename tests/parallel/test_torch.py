@@ -18,12 +18,14 @@ W = Path(__file__).parent / "workers_torch"
 
 
 @pytest.mark.timeout(120)
-def test_collectives_autograd_errors_join_process_sets():
-    out = run_mpi(2, [str(W / "check_ops.py")], timeout=110).stdout
+def test_collectives_autograd_errors_join_process_sets(tmp_path):
+    out = run_mpi(2, [str(W / "check_ops.py")], env={"LCC_TEST_TMP": str(tmp_path)},
+                  timeout=110).stdout
     assert out.count("OK 16 cases") == 2, out[-4000:]
 
 
 @pytest.mark.timeout(120)
-def test_distributed_optimizer_broadcasts_and_sync_batch_norm():
-    out = run_mpi(2, [str(W / "check_train.py")], timeout=110).stdout
+def test_distributed_optimizer_broadcasts_and_sync_batch_norm(tmp_path):
+    out = run_mpi(2, [str(W / "check_train.py")], env={"LCC_TEST_TMP": str(tmp_path)},
+                  timeout=110).stdout
     assert out.count("OK 14 cases") == 2, out[-4000:]

@@ -143,6 +143,7 @@ def test_fusion_plan_covers_everything_in_order_and_never_overfills(resps, thres
 class _StubEngine:
     def __init__(self, n: int) -> None:
         self.n = n
+        self.size = n          # world size (broadcast checks root_rank against it)
 
     def pset(self, pid):
         return types.SimpleNamespace(ranks=tuple(range(self.n)))
@@ -188,6 +189,29 @@ def test_broadcast_root_validation(n, root):
             assert not ok
         else:
             assert ok and req.root == root
+    finally:
+        api._engine = saved
+
+
+@FAST
+@given(st.integers(2, 6), st.data())
+def test_broadcast_root_is_a_global_rank_of_the_process_set(n, data):
+    """Horovod's convention: root_rank names a global rank; the request carries its position
+    in the set; a root outside the set is refused before anything is submitted."""
+    import numpy as np
+
+    members = tuple(sorted(data.draw(st.sets(st.integers(0, n - 1), min_size=1))))
+    root = data.draw(st.integers(-1, n))
+    stub = _StubEngine(n)
+    stub.pset = lambda pid: types.SimpleNamespace(ranks=members)
+    saved, api._engine = api._engine, stub
+    try:
+        try:
+            req = api.broadcast_async(np.zeros(3), root, name="b", process_set=1)
+        except InvalidArgumentError as exc:
+            assert root not in members, exc
+        else:
+            assert root in members and req.root == members.index(root)
     finally:
         api._engine = saved
 

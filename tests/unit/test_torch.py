@@ -188,3 +188,46 @@ def test_optimizer_arguments_checked_before_any_communication():
         hvd.DistributedOptimizer(torch.optim.SGD(params, lr=1), groups=[[params[0], params[0]]])
     with pytest.raises(ValueError, match="groups"):
         hvd.DistributedOptimizer(torch.optim.SGD(params, lr=1), groups=-1)
+
+
+def test_builtin_compressors_are_horovod_classes_and_engine_specs():
+    t = torch.tensor([1.0 + 2 ** -12, -2.5])
+    c, ctx = hvd.Compression.fp16.compress(t)
+    assert c.dtype == torch.float16 and ctx == torch.float32
+    assert hvd.Compression.fp16.decompress(c, ctx).dtype == torch.float32
+    ints = torch.arange(3)
+    assert hvd.Compression.fp16.compress(ints)[0] is ints
+    assert hvd.Compression.none.compress(t) == (t, None)
+    assert compression.spec_of(hvd.Compression.bf16) == "bf16"
+
+    class Inherits(hvd.Compression.fp16):             # nothing overridden: still the engine's
+        pass
+
+    class Overrides(hvd.Compression.fp16):            # Horovod-style: applied per tensor
+        @staticmethod
+        def compress(tensor):
+            return tensor, None
+
+    assert compression.spec_of(Inherits) == "fp16"
+    assert compression.spec_of(Overrides) is None
+    assert compression.spec_of(compression.per_tensor(hvd.Compression.fp16)) is None
+    with pytest.raises(ValueError, match="inside the engine"):
+        hvd.Compression.powersgd().compress(t)
+    with pytest.raises(ValueError):
+        compression.per_tensor(42)
+
+
+def test_gradient_semantics_modes():
+    from lightcc.torch import autograd
+
+    assert autograd._semantics == "horovod"
+    with hvd.gradient_semantics("sum_of_losses"):
+        assert autograd._semantics == "sum_of_losses"
+    assert autograd._semantics == "horovod"
+    with pytest.raises(ValueError, match="sum_of_losses"):
+        hvd.set_gradient_semantics("average")
+    # reducescatter's backward factor: Horovod's is size times the sum-of-losses one
+    for op in (hvd.Sum, hvd.Average):
+        h = autograd._scatter_grad_scale(op, 2.0, 0.5, 4, "horovod")
+        s = autograd._scatter_grad_scale(op, 2.0, 0.5, 4, "sum_of_losses")
+        assert h == pytest.approx(4 * s)

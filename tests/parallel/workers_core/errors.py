@@ -2,8 +2,6 @@
 keeps working afterwards; local misuse raises at once (run under mpirun -np N >= 2)."""
 from __future__ import annotations
 
-import time
-
 import numpy as np
 
 import lightcc as lcc
@@ -15,7 +13,6 @@ R, N = lcc.rank(), lcc.size()
 
 
 def expect(exc_type, fn, *needles):
-    t0 = time.monotonic()
     try:
         fn()
     except exc_type as exc:
@@ -23,7 +20,7 @@ def expect(exc_type, fn, *needles):
         for needle in needles:
             assert needle in text, f"{needle!r} not in {text!r}"
         assert isinstance(exc, RuntimeError) or isinstance(exc, (ValueError, TypeError))
-        return time.monotonic() - t0
+        return exc
     raise AssertionError(f"expected {exc_type.__name__} from {fn}")
 
 
@@ -33,9 +30,10 @@ def works(tag: str) -> None:
 
 
 shape = (10, 4) if R == 0 else (10, 5)
-took = expect(MismatchError, lambda: lcc.allreduce(np.zeros(shape), name="fc1.weight"),
-              "allreduce 'fc1.weight'", "(10, 5)", "(10, 4)")
-assert took < 1.0, f"mismatch took {took:.2f} s to report"
+# reported by the negotiation itself (a MismatchError, not a StallError after a timeout)
+exc = expect(MismatchError, lambda: lcc.allreduce(np.zeros(shape), name="fc1.weight"),
+             "allreduce 'fc1.weight'", "(10, 5)", "(10, 4)")
+assert not isinstance(exc, lcc.StallError), exc
 works("shape")
 
 dt = np.float32 if R == 0 else np.float64
@@ -73,8 +71,8 @@ expect(UnsupportedDTypeError, lambda: lcc.allreduce(np.zeros(2, np.complex64)), 
 expect(UnsupportedDTypeError, lambda: lcc.allreduce(np.zeros(2, bool), op=lcc.Average),
        "Average")
 expect(InvalidArgumentError, lambda: lcc.allreduce(np.zeros(2), op="median"), "unknown op")
-expect(InvalidArgumentError, lambda: lcc.allreduce(np.zeros(2, np.int32), prescale_factor=2.0),
-       "floating-point")
+expect(InvalidArgumentError, lambda: lcc.allreduce(np.zeros(2, bool), op=lcc.Max,
+                                                    prescale_factor=2.0), "numeric")
 expect(InvalidArgumentError, lambda: lcc.broadcast(np.zeros(2), root_rank=N), "out of range")
 expect(InvalidArgumentError, lambda: lcc.broadcast(np.zeros(2), root_rank=-1), "out of range")
 expect(InvalidArgumentError, lambda: lcc.alltoall(np.zeros(4), splits=[1] * (N + 1)), "entries")

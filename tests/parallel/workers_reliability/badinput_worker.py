@@ -61,8 +61,8 @@ raises(InvalidArgumentError, lambda: lcc.allreduce(x, process_set=99), "does not
 raises(InvalidArgumentError, lambda: lcc.allreduce(x, compression="zip"), "zip")
 raises(InvalidArgumentError, lambda: lcc.allreduce(x, compression=5), "compression")
 raises((ValueError, TypeError), lambda: lcc.allreduce(x, prescale_factor="abc"))
-raises(InvalidArgumentError, lambda: lcc.allreduce(np.arange(3), prescale_factor=2.0),
-       "floating")
+raises(InvalidArgumentError, lambda: lcc.allreduce(np.ones(3, bool), op=lcc.Max,
+                                                    prescale_factor=2.0), "numeric")
 raises(InvalidArgumentError, lambda: lcc.allreduce_async(x, out=np.zeros(5)), "out")
 raises(InvalidArgumentError, lambda: lcc.allreduce_async(x, out=np.zeros(6, np.float32)), "out")
 raises(InvalidArgumentError, lambda: lcc.barrier(process_set=42), "does not exist")

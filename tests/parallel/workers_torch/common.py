@@ -2,7 +2,9 @@
 aborts the whole job on the first failure (so a failing rank never leaves others hanging)."""
 from __future__ import annotations
 
+import os
 import sys
+import time
 import traceback
 from typing import Any, Callable
 
@@ -49,6 +51,22 @@ def raises(exc: type | tuple, fn: Callable[[], Any], what: str,
     raise AssertionError(f"{what}: expected {exc}, nothing raised")
 
 
+def signal_ranks(name: str) -> None:
+    """Tell the other ranks that this rank got past a point (a file in ``LCC_TEST_TMP``)."""
+    path = os.path.join(os.environ["LCC_TEST_TMP"], name)
+    with open(path + ".tmp", "w"):
+        pass
+    os.replace(path + ".tmp", path)
+
+
+def wait_for_signal(name: str) -> None:
+    """Block until some rank called :func:`signal_ranks` with ``name``. No deadline: a signal
+    that never comes is a hang, which the job's timeout turns into a failure."""
+    path = os.path.join(os.environ["LCC_TEST_TMP"], name)
+    while not os.path.exists(path):
+        time.sleep(0.01)
+
+
 def run(cases: list[Callable[[], None]]) -> None:
     """Run each case in order; on failure print it and abort every rank."""
     from mpi4py import MPI
@@ -65,4 +83,5 @@ def run(cases: list[Callable[[], None]]) -> None:
     print(f"[rank {rank}] OK {len(cases)} cases", flush=True)
 
 
-__all__ = ["check", "close", "np", "raises", "rank_input", "run"]
+__all__ = ["check", "close", "np", "raises", "rank_input", "run", "signal_ranks",
+           "wait_for_signal"]
