@@ -5,8 +5,7 @@
   intscale    - integer tensors with prescale/postscale factors, scaled as Horovod does
   compressors - Horovod's compressor objects and user-written compressor classes
   join        - join with uneven data (needs an engine change: item 5)
-  residuals   - error-feedback state kept per process set (needs an engine change: item 8;
-                run on 3 ranks)
+  residuals   - error-feedback state kept per process set (item 8; run on 3 ranks)
 
 Every reference is computed here from every rank's inputs and Horovod's documented behaviour
 (its torch/mpi_ops.py autograd functions, its C++ ScaleBuffer, its test_torch.py), never from
@@ -594,7 +593,7 @@ def case_join_allgather_raises():
         check(hvd.allgather_object(ret) == [ret] * N, "join result differs across ranks")
 
 
-# ---- item 8: residuals per process set (engine change pending; 3 ranks) ----------------------
+# ---- item 8: residuals per process set (3 ranks) ---------------------------------------------
 def case_error_feedback_is_per_process_set():
     """Sets A = [0, 1] and B = [1, 2] both generate the name allreduce.noname.0. A's step
     leaves a residual on rank 1 (top-k with error feedback sends 10 %); B only ever reduces
