@@ -38,10 +38,11 @@ def test_horovod_semantics(group, ranks, cases):
     _run(group, ranks, cases)
 
 
-@pytest.mark.xfail(strict=False, reason="needs engine change (issue 17 item 5)")
 @pytest.mark.timeout(180)
 def test_join_with_uneven_data_matches_horovod():
-    _run("join", 2, 3)
+    """Issue 17 item 5 (fixed by 2fbe244): before it, an allgather while a rank had joined
+    returned instead of raising."""
+    _run("join", 2, 4)
 
 
 @pytest.mark.timeout(180)

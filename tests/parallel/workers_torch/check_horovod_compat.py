@@ -4,7 +4,7 @@
   root        - root_rank is a global rank inside process sets (run on 3 ranks)
   intscale    - integer tensors with prescale/postscale factors, scaled as Horovod does
   compressors - Horovod's compressor objects and user-written compressor classes
-  join        - join with uneven data (needs an engine change: item 5)
+  join        - join with uneven data (item 5)
   residuals   - error-feedback state kept per process set (item 8; run on 3 ranks)
 
 Every reference is computed here from every rank's inputs and Horovod's documented behaviour
@@ -508,7 +508,7 @@ def case_subclass_overriding_a_builtin_runs_per_tensor():
     close(got, torch.ones(4) * sum(range(1, N + 1)), "per_tensor(fp16)")
 
 
-# ---- item 5: join (engine change pending) ----------------------------------------------------
+# ---- item 5: join ---------------------------------------------------------------------------
 def case_join_allreduce_uneven():
     """Horovod's test_horovod_join_allreduce: joined ranks contribute zeros; Average divides
     by the full size (integers truncate); join returns the same rank everywhere, not the first
