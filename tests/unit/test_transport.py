@@ -102,15 +102,16 @@ def test_large_frames_survive_partial_reads_and_writes():
             p.close()
 
 
+@pytest.mark.timeout(120)
 def test_wake_interrupts_a_blocked_poll_and_wait():
     planes = make_planes(2)
     try:
-        for blocker in (lambda: planes[0].poll(5.0), lambda: planes[0].wait(5.0)):
+        # blocked far longer than the test's timeout: only the wake can end these calls
+        for blocker in (lambda: planes[0].poll(3600.0), lambda: planes[0].wait(3600.0)):
             threading.Timer(0.2, planes[0].wake).start()
-            t0 = time.monotonic()
             blocker()
-            assert time.monotonic() - t0 < 3.0
-        # repeated wakes before anyone blocks leave at most a spurious early return
+        # repeated wakes before anyone blocks leave at most a spurious early return (a lower
+        # bound on the wait: a loaded machine can only make it longer, never fail it)
         planes[0].wake()
         planes[0].wake()
         planes[0].poll(0.0)

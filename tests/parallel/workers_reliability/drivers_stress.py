@@ -40,10 +40,9 @@ assert not errors, errors
 eng = api.engine()
 assert eng._drivers == 0, f"driver count drifted to {eng._drivers}"
 h = lcc.allreduce_async(np.ones(2), op=lcc.Sum, name="background")
-deadline = time.monotonic() + 10
 while not lcc.poll(h):               # nobody drives: the background thread must do it
-    assert time.monotonic() < deadline, "background thread idle after the drivers left"
-    time.sleep(0.01)
+    time.sleep(0.01)                 # (no deadline: an idle background thread is a hang,
+                                     # which run_mpi's timeout reports)
 assert np.all(lcc.synchronize(h) == N)
 print(f"drivers ok {R}", flush=True)
 lcc.shutdown()
