@@ -379,7 +379,9 @@ def validate(members: tuple[int, ...], reqs: dict[int, Request],
         checks.append(("number of dimensions", lambda q: len(q.shape), str))
         checks.append(("shape after the first dimension", lambda q: q.shape[1:], _shape))
     if ref.coll == Coll.BROADCAST:
-        checks.append(("root rank", lambda q: q.root, str))
+        # requests carry the root's position in the set; errors name the global rank
+        checks.append(("root rank", lambda q: members[q.root] if 0 <= q.root < len(members)
+                       else q.root, str))
     if ref.coll == Coll.ADD_PSET:
         checks.append(("process set ranks", lambda q: q.splits, str))
     if ref.coll == Coll.REMOVE_PSET:
