@@ -45,6 +45,7 @@ log = logging.getLogger("lightcc")
 #: Settings of :class:`~.group.ExecSettings` that a batch may change (the autotuner's).
 _EXEC_FIELDS = ("fusion_threshold", "algorithm", "auto_thresholds", "min_compress_bytes",
                 "ring_chunk_bytes", "mpi_chunk_bytes", "ef_ttl_steps")
+PLAN_CACHE = 64             # remembered bucket plans of repeated batches
 MAX_WAIT_S = 1.0            # longest single block in the kernel (stops are also woken)
 LAZY_FLUSH_S = 1.0          # lazy mode: the background thread sends what waited this long
 DRIVER_LOCK_WAIT_S = 0.002  # a driver that finds another thread stepping re-checks this often
@@ -90,40 +91,18 @@ _ERROR_TYPES = {"mismatch": MismatchError, "stall": StallError, "shutdown": Shut
                 "join": MismatchError}
 
 
-class _Signal:
-    """A one-shot event, cheaper to create than ``threading.Event`` (one lock, no Condition);
-    a handle is created for every collective."""
-
-    __slots__ = ("_lock", "_set")
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._lock.acquire()
-        self._set = False
-
-    def is_set(self) -> bool:
-        return self._set
-
-    def set(self) -> None:
-        if not self._set:
-            self._set = True
-            self._lock.release()
-
-    def wait(self, timeout: float | None = None) -> bool:
-        if self._set:
-            return True
-        if self._lock.acquire(True, -1 if timeout is None else max(timeout, 0.0)):
-            self._lock.release()   # let every other waiter through too
-        return self._set
-
-
 class Handle:
-    """The future of one submitted collective; see ``lightcc.poll`` / ``synchronize``."""
+    """The future of one submitted collective; see ``lightcc.poll`` / ``synchronize``.
 
-    __slots__ = ("_event", "_result", "_error", "request", "_callbacks", "_engine")
+    A handle is made for every collective, so it owns no lock: completion sets a flag, and a
+    thread that waits without driving the engine gets an event made on demand.
+    """
+
+    __slots__ = ("_done", "_waiter", "_result", "_error", "request", "_callbacks", "_engine")
 
     def __init__(self, request: Request | None, engine: "Engine | None" = None) -> None:
-        self._event = _Signal()
+        self._done = False
+        self._waiter: threading.Event | None = None
         self._result: Any = None
         self._error: BaseException | None = None
         self.request = request
@@ -132,19 +111,25 @@ class Handle:
 
     def done(self) -> bool:
         """True once complete; never blocks (in lazy mode it also starts queued work)."""
-        if not self._event.is_set() and self._engine is not None and self._engine.lazy:
+        if not self._done and self._engine is not None and self._engine.lazy:
             self._engine.nudge()
-        return self._event.is_set()
+        return self._done
 
     def wait(self, timeout: float | None = None) -> Any:
         """Block until complete; return the result or raise the collective's error.
 
         The waiting thread drives the engine itself while nobody else does (no thread
-        hand-off on the latency-critical path); otherwise it sleeps on the handle's event.
+        hand-off on the latency-critical path); otherwise it sleeps on an event.
         """
-        if not self._event.is_set() and self._engine is not None:
+        if not self._done and self._engine is not None:
             self._engine.drive(self, timeout)
-        if not self._event.wait(timeout):
+        if not self._done:
+            waiter = self._waiter
+            if waiter is None:
+                waiter = self._waiter = threading.Event()
+            if not self._done:     # _set() runs flag-then-event: checked after publishing
+                waiter.wait(timeout)
+        if not self._done:
             raise TimeoutError(f"{self.request.describe() if self.request else 'handle'} "
                                f"did not complete within {timeout} s")
         if self._error is not None:
@@ -153,7 +138,10 @@ class Handle:
 
     def _set(self, result: Any = None, error: BaseException | None = None) -> None:
         self._result, self._error = result, error
-        self._event.set()
+        self._done = True
+        waiter = self._waiter
+        if waiter is not None:
+            waiter.set()
         for cb in self._callbacks:
             try:
                 cb(self)
@@ -161,7 +149,7 @@ class Handle:
                 log.exception("handle callback failed")
 
     def __repr__(self) -> str:
-        state = "done" if self.done() else "pending"
+        state = "done" if self._done else "pending"
         return f"<Handle {self.request.describe() if self.request else ''} {state}>"
 
 
@@ -205,6 +193,7 @@ class Engine:
         self.lazy = not overlap_in_background(config.overlap, self.topo)
         self._queued_at = 0.0                # when the oldest queued entry was queued
         self._urgent = False                 # the queue holds work lazy mode must not hold
+        self._plans: dict[tuple, list[list[int]]] = {}   # see _plan()
         self.listeners: list = []      # callables(event: str, **info), e.g. the autotuner
         self._thread = threading.Thread(target=self._run, name="lightcc-engine", daemon=True)
         self._thread.start()
@@ -320,7 +309,7 @@ class Engine:
         with self._cv:
             self._drivers += 1
         try:
-            while not handle._event.is_set():
+            while not handle._done:
                 if self._dead is not None or self._stopping:
                     return
                 wait = MAX_WAIT_S
@@ -331,7 +320,7 @@ class Engine:
                 if not self._progress.acquire(timeout=DRIVER_LOCK_WAIT_S):
                     continue          # another thread is stepping; look at the handle again
                 try:
-                    if not handle._event.is_set():
+                    if not handle._done:
                         self._step(wait, handle)
                 finally:
                     self._progress.release()
@@ -409,7 +398,7 @@ class Engine:
                 self._drv_sleeping = True
             if (self._queue and hold <= 0.0) or self._stopping or \
                     (handle is None and self._drivers) or \
-                    (handle is not None and handle._event.is_set()):
+                    (handle is not None and handle._done):
                 timeout = 0.0
         if background:
             frames = self._plane.poll(0.0)
@@ -522,8 +511,7 @@ class Engine:
             self.tracer.instant("engine", "CYCLE", time.perf_counter(), step=self.batches,
                                 responses=len(responses))
         touched: set[int] = set()
-        for bucket in fusion.plan(responses, self.settings.fusion_threshold,
-                                  self.settings.min_compress_bytes):
+        for bucket in self._plan(batch, responses):
             touched.add(responses[bucket[0]].request.pset)
             self._execute_bucket([responses[i] for i in bucket], [entries[i] for i in bucket])
         for pset in touched:
@@ -533,6 +521,26 @@ class Engine:
         self.batches += 1
         if batch.shutdown:
             self._remote_shutdown(batch.shutdown)
+
+    def _plan(self, batch: Batch, responses: list[Response]) -> list[list[int]]:
+        """fusion.plan, remembered for batches made only of cache ids (training repeats the
+        same batches step after step; ids name the same responses for the whole run)."""
+        key = None
+        if not batch.joined and all(isinstance(i, int) or (isinstance(i, OrderedItem) and
+                                                            isinstance(i.payload, int))
+                                    for i in batch.items):
+            key = (tuple(batch.items), self.settings.fusion_threshold,
+                   self.settings.min_compress_bytes)
+            buckets = self._plans.get(key)
+            if buckets is not None:
+                return buckets
+        buckets = fusion.plan(responses, self.settings.fusion_threshold,
+                              self.settings.min_compress_bytes)
+        if key is not None:
+            if len(self._plans) >= PLAN_CACHE:
+                self._plans.pop(next(iter(self._plans)))
+            self._plans[key] = buckets
+        return buckets
 
     def _index_in(self, pset: int) -> int | None:
         group = self.groups.get(pset)
