@@ -295,7 +295,6 @@ class Engine:
             return
         for group in list(self.groups.values()):
             if group.topo is not None:
-                executor.release_agreement(group.topo.world)
                 group.free()
 
     # ---- progress ----------------------------------------------------------------------------
@@ -671,7 +670,6 @@ class Engine:
     def _remove_pset(self, pset_id: int) -> None:
         group = self.groups.pop(pset_id, None)
         if group is not None and group.topo is not None:
-            executor.release_agreement(group.topo.world)
             group.free()
 
     # ---- shutdown ----------------------------------------------------------------------------

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import math
-import threading
 import time
 from typing import Any
 
@@ -332,59 +331,13 @@ def needs_agreement(group: Group, resps: list[Response]) -> bool:
 
 
 def prepare_agreement(group: Group) -> None:
-    """Give the bucket's MPI communicator a duplicate for status agreements (collective; the
-    engine calls it on every rank before executing the bucket). A separate communicator
-    keeps a rank that failed early from matching its peers' data collectives."""
-    world = group.topo.world
-    if getattr(world, "_lcc_agreement", None) is None and hasattr(getattr(world, "comm", None),
-                                                                   "Iallreduce"):
-        world._lcc_agreement = world.comm.Dup()
-
-
-def release_agreement(world: Any) -> None:
-    """Free the duplicate made by :func:`prepare_agreement`, if any (with the communicator)."""
-    comm = getattr(world, "_lcc_agreement", None)
-    if comm is not None:
-        world._lcc_agreement = None
-        from mpi4py import MPI
-
-        if not MPI.Is_finalized():
-            comm.Free()
+    """Ready the process set's communicator for :func:`agree` (collective; the engine calls
+    it on every rank before executing a bucket that needs agreement)."""
+    group.topo.world.prepare_agreement()
 
 
 def agree(group: Group, failed: bool, what: str) -> list[int]:
-    """Ranks of ``group.topo.world`` on which the bucket failed (a max-allreduce of one flag
-    byte per rank, on a duplicate of the bucket's communicator, after its communication has
-    completed).
-
-    A rank that failed waits at most ``faults.agreement_timeout()`` seconds for its peers:
-    if they never arrive, it raised in the middle of the communication and they are blocked
-    inside MPI for good, so it aborts the job (the launcher then names this rank) instead of
-    leaving it hung.
-    """
-    world = group.topo.world
-    flags = np.zeros(world.size, np.uint8)
-    flags[world.rank] = 1 if failed else 0
-    comm = getattr(world, "_lcc_agreement", None)
-    if comm is None:
-        world.allreduce(flags, "max")     # device backends: blocking, no deadline
-        return [int(i) for i in np.flatnonzero(flags)]
-    from mpi4py import MPI
-
-    watchdog = None
-    if failed:        # the peers may never come: abort rather than hang (see docstring)
-        def abort() -> None:
-            log.critical("%s failed on this rank in the middle of its communication; the "
-                         "other ranks are blocked inside MPI and cannot recover: aborting "
-                         "the job", what)
-            MPI.COMM_WORLD.Abort(70)
-
-        watchdog = threading.Timer(faults.agreement_timeout(), abort)
-        watchdog.daemon = True
-        watchdog.start()
-    try:
-        comm.Allreduce(MPI.IN_PLACE, [flags, MPI.UNSIGNED_CHAR], op=MPI.MAX)
-    finally:
-        if watchdog is not None:
-            watchdog.cancel()
-    return [int(i) for i in np.flatnonzero(flags)]
+    """Ranks of the process set (positions in it) on which the bucket failed, agreed after its
+    communication; a rank that failed gives up waiting after ``faults.agreement_timeout()``
+    seconds and aborts the job (its peers are stuck inside the collective for good)."""
+    return group.topo.world.agree(failed, what, faults.agreement_timeout())

@@ -57,6 +57,13 @@ class Communicator(Protocol):
     def allreduce(self, buf: Any, op: str = "sum") -> None:
         """Reduce ``buf`` over all ranks, in place."""
 
+    def prepare_agreement(self) -> None:
+        """Collective, before a bucket whose success the ranks must agree on (see agree)."""
+
+    def agree(self, failed: bool, what: str, timeout: float) -> list[int]:
+        """Ranks (of this communicator) on which the bucket failed, exchanged on a channel
+        that no data collective uses; a failed rank gives up after ``timeout`` seconds."""
+
     def allgatherv(self, sendbuf: Any, recvbuf: Any, counts: Sequence[int]) -> None:
         """Concatenate every rank's ``sendbuf`` (``counts[r]`` elements) into ``recvbuf``."""
 

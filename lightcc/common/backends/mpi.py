@@ -10,6 +10,8 @@ collective (what an optimal algorithm sends), so benchmarks can compare formats;
 from __future__ import annotations
 
 import functools
+import logging
+import threading
 import time
 from typing import Any, Sequence
 
@@ -17,6 +19,8 @@ import numpy as np
 
 from ..tracing import NULL
 from .base import WireStats, displacements, num_pieces, sub_blocks
+
+log = logging.getLogger("lightcc")
 
 MAX_CHUNK_ELEMS = 1 << 30  # elements per reduction call; keeps MPI int counts in range
 #: Default allreduce piece (bytes; 0 = one call); each communicator has its own ``chunk_bytes``
@@ -77,6 +81,37 @@ class _Req:
         return bool(self._req.Test())
 
 
+def agree_over(comm: Any, rank: int, size: int, failed: bool, what: str,
+               timeout: float) -> list[int]:
+    """Ranks of ``comm`` (an mpi4py communicator used for nothing else at this point) on which
+    a bucket failed: a max-allreduce of one flag byte per rank.
+
+    A rank that failed waits at most ``timeout`` seconds for its peers: if they never arrive,
+    it raised in the middle of the bucket's communication and they are blocked inside MPI for
+    good, so it aborts the job (the launcher then names this rank) instead of leaving it hung.
+    """
+    MPI = _mpi()
+    flags = np.zeros(size, np.uint8)
+    flags[rank] = 1 if failed else 0
+    watchdog = None
+    if failed:
+        def abort() -> None:
+            log.critical("%s failed on this rank in the middle of its communication; the "
+                         "other ranks are blocked inside MPI and cannot recover: aborting "
+                         "the job", what)
+            MPI.COMM_WORLD.Abort(70)
+
+        watchdog = threading.Timer(timeout, abort)
+        watchdog.daemon = True
+        watchdog.start()
+    try:
+        comm.Allreduce(MPI.IN_PLACE, [flags, MPI.UNSIGNED_CHAR], op=MPI.MAX)
+    finally:
+        if watchdog is not None:
+            watchdog.cancel()
+    return [int(i) for i in np.flatnonzero(flags)]
+
+
 class MPICommunicator:
     """A group of MPI ranks (see ``backends.base.Communicator``)."""
 
@@ -90,6 +125,7 @@ class MPICommunicator:
         self.stats = WireStats()
         self.tracer = NULL
         self.chunk_bytes = ALLREDUCE_CHUNK_BYTES     # set per process set (LCC_MPI_CHUNK_BYTES)
+        self._agreement: Any = None                  # duplicate for agree()
         self.ring_chunk_bytes = 1 << 20              # set per process set (LCC_RING_CHUNK_BYTES)
 
     # -- reductions ---------------------------------------------------------------------------
@@ -263,9 +299,27 @@ class MPICommunicator:
     def split(self, color: int, key: int, name: str) -> "MPICommunicator":
         return MPICommunicator(self.comm.Split(color, key), name)
 
+    # -- agreement on a bucket's success ------------------------------------------------------
+    def prepare_agreement(self) -> None:
+        """Make the duplicate communicator :meth:`agree` uses (collective, idempotent; called on
+        every rank before a bucket that needs it). Separate from the data communicator so a rank
+        that failed early cannot match its peers' data collectives."""
+        if self._agreement is None:
+            self._agreement = self.comm.Dup()
+
+    def agree(self, failed: bool, what: str, timeout: float) -> list[int]:
+        """Ranks on which the bucket failed (see :func:`agree_over`)."""
+        self.prepare_agreement()
+        return agree_over(self._agreement, self.rank, self.size, failed, what, timeout)
+
     def free(self) -> None:
         MPI = _mpi()
-        if self.comm not in (MPI.COMM_WORLD, MPI.COMM_SELF) and not MPI.Is_finalized():
+        if MPI.Is_finalized():
+            return
+        if self._agreement is not None:
+            self._agreement.Free()
+            self._agreement = None
+        if self.comm not in (MPI.COMM_WORLD, MPI.COMM_SELF):
             self.comm.Free()
 
     def __repr__(self) -> str:

@@ -388,6 +388,16 @@ class NCCLCommunicator:
     def split(self, color: int, key: int, name: str) -> "NCCLCommunicator":
         return NCCLCommunicator(self.mpi.Split(color, key), name, self.timeout, self.blocking)
 
+    def prepare_agreement(self) -> None:
+        """Nothing to prepare: :meth:`agree` runs on the MPI bootstrap communicator, which
+        carries no data collectives."""
+
+    def agree(self, failed: bool, what: str, timeout: float) -> list[int]:
+        """Ranks on which the bucket failed, agreed over the bootstrap MPI communicator."""
+        from .mpi import agree_over
+
+        return agree_over(self.mpi, self.rank, self.size, failed, what, timeout)
+
     def free(self) -> None:
         try:
             if not self._aborted:
