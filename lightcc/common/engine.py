@@ -120,7 +120,8 @@ class _Signal:
 class Handle:
     """The future of one submitted collective; see ``lightcc.poll`` / ``synchronize``."""
 
-    __slots__ = ("_event", "_result", "_error", "request", "_callbacks", "_engine")
+    __slots__ = ("_event", "_result", "_error", "request", "_callbacks", "_engine",
+                 "device_done")
 
     def __init__(self, request: Request | None, engine: "Engine | None" = None) -> None:
         self._event = _Signal()
@@ -129,12 +130,16 @@ class Handle:
         self.request = request
         self._callbacks: list = []
         self._engine = engine
+        self.device_done: Any = None     # GPU results: device.Completion, set by device_exec
 
     def done(self) -> bool:
         return self._event.is_set()
 
     def wait(self, timeout: float | None = None) -> Any:
         """Block until complete; return the result or raise the collective's error.
+
+        GPU results are complete once the calling thread's current CuPy stream reaches them:
+        this makes that stream wait on the engine's done event (no host sync).
 
         The waiting thread drives the engine itself while nobody else does (no thread
         hand-off on the latency-critical path); otherwise it sleeps on the handle's event.
@@ -146,6 +151,8 @@ class Handle:
                                f"did not complete within {timeout} s")
         if self._error is not None:
             raise self._error
+        if self.device_done is not None:   # the caller's stream waits for the GPU work
+            self.device_done.consume()
         return self._result
 
     def _set(self, result: Any = None, error: BaseException | None = None) -> None:
