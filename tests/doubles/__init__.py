@@ -1,6 +1,6 @@
 """Test doubles for the GPU path: CuPy (``fake_cupy``), NCCL with thread ranks
 (``fake_nccl``), the CUDA kernels (``kernels``: emulation + PTX signature checks) and the
-part of ``torch.cuda`` lightcc uses (:class:`TorchCuda`).
+part of ``torch.cuda`` lightcc uses plus tensors that say they are on a GPU (``fake_torch``).
 
 :func:`install` puts them in place for one test (``monkeypatch``): ``import cupy`` then gives
 the fake, kernel launches are checked against the PTX signatures and emulated, and every launch,
@@ -9,7 +9,6 @@ copy, NCCL call, event record, stream wait and host synchronization lands in ``f
 from __future__ import annotations
 
 import sys
-import threading
 import types
 from typing import Any
 
@@ -48,23 +47,24 @@ def build_cupy() -> types.ModuleType:
     return cupy
 
 
-class TorchCuda:
-    """``torch.cuda.current_stream(device)``: a per-thread stream with ``cuda_stream`` (the
-    raw pointer), by default the legacy default stream (0), as in torch."""
+class _ForGood:
+    """``monkeypatch``'s two calls, without undo (for worker processes)."""
 
-    def __init__(self) -> None:
-        self._tls = threading.local()
+    @staticmethod
+    def setattr(target: Any, name: str, value: Any) -> None:
+        setattr(target, name, value)
 
-    def current_stream(self, device: Any = None) -> Any:
-        return types.SimpleNamespace(cuda_stream=getattr(self._tls, "ptr", 0), device=device)
-
-    def set_stream(self, ptr: int) -> None:
-        self._tls.ptr = int(ptr)
+    @staticmethod
+    def setitem(mapping: Any, key: Any, value: Any) -> None:
+        mapping[key] = value
 
 
-def install(monkeypatch: Any, devices: int = 1, torch_cuda: bool = False) -> types.SimpleNamespace:
-    """Put the doubles in place for one test; returns ``cupy``, ``log``, ``launches`` and
-    (with ``torch_cuda``) the :class:`TorchCuda` patched into ``torch.cuda``."""
+def install(monkeypatch: Any = None, devices: int = 1,
+            torch_cuda: bool = False) -> types.SimpleNamespace:
+    """Put the doubles in place for one test (for the process when ``monkeypatch`` is None);
+    returns ``cupy``, ``log``, ``launches`` and (with ``torch_cuda``) the :class:`TorchCuda`
+    patched into ``torch.cuda``."""
+    monkeypatch = monkeypatch or _ForGood()
     from lightcc.common.backends import nccl as nccl_backend
     from lightcc.common.kernels import cuda as kc
 
@@ -97,6 +97,8 @@ def install(monkeypatch: Any, devices: int = 1, torch_cuda: bool = False) -> typ
     out = types.SimpleNamespace(cupy=cupy, log=fake_cupy.LOG, launches=launches, torch=None)
     if torch_cuda:
         import torch
+
+        from .fake_torch import TorchCuda
 
         out.torch = TorchCuda()
         monkeypatch.setattr(torch.cuda, "current_stream", out.torch.current_stream)

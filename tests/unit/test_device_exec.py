@@ -121,6 +121,15 @@ def test_compressors_on_device_match_host(gpu, comp):
         comp == "powersgd"
 
 
+def test_large_compressed_bucket_on_nccl_uses_the_collective_scheme(gpu):
+    """A chunk above twophase.PIECE_BYTES is pipelined over send/recv on the host; over NCCL
+    that exchange would deadlock (its groups do not match), so device buckets never use it."""
+    shapes = [(700_000,)]
+    dev = run_bucket(gpu, 2, shapes, comp="fp16", backend="nccl", seed=3)
+    _same(dev, run_bucket(gpu, 2, shapes, comp="fp16", on_device=False, seed=3))
+    assert {r[2][0] for r in gpu.log.of("nccl")} == {"allgather", "send", "recv"}
+
+
 def test_single_rank_average_returns_input_on_device(gpu):
     out = run_bucket(gpu, 1, [(4,), (5,)], "float16", "average")
     np.testing.assert_array_equal(out[0][0], _data(0, 4, "float16"))
