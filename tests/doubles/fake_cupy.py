@@ -15,9 +15,13 @@ What it follows from CuPy (so wrong calls fail here as they would on a GPU):
   memory of the kind ``kind`` says (device, pinned or other host memory) and within bounds;
 * ``alloc_pinned_memory(n)`` returns a buffer ``np.frombuffer`` accepts, with ``.ptr``.
 
-Differences: everything executes at once on the host (no asynchrony), so ordering is checked
-through :data:`LOG`, not through data races; arrays export DLPack as host memory (so a CPU-only
-torch can import them). Device memory is host memory registered in :data:`MEMORY`.
+Differences: kernels, NCCL calls and copies into device memory execute at once (ordering is
+checked through :data:`LOG`, not through data races). The one asynchrony modelled is the one a
+host reader can get wrong: a device-to-host copy reads the device memory when queued but lands
+in host memory only when the host synchronizes with its stream (``Stream.synchronize``, an
+``Event.synchronize`` of an event recorded after it, ``Device.synchronize``); until then the
+destination holds garbage. Arrays export DLPack as host memory (so a CPU-only torch can import
+them). Device memory is host memory registered in :data:`MEMORY`.
 """
 from __future__ import annotations
 
@@ -95,6 +99,16 @@ _event_ids = itertools.count(1)
 DEVICE_COUNT = {0: 1}          # [0]: GPUs visible (a test may pretend to have more)
 
 
+_landing: dict[int, list] = {}        # stream ptr -> device-to-host copies not yet visible
+
+
+def _land(stream: int | None = None) -> None:
+    """Device-to-host copies of ``stream`` (all streams if None) become visible to the host."""
+    for ptr in list(_landing) if stream is None else [stream]:
+        for dst, data in _landing.pop(ptr, []):
+            dst[...] = data
+
+
 def current_device() -> int:
     return getattr(_tls, "device", 0)
 
@@ -109,6 +123,7 @@ class Device:
 
     def synchronize(self) -> None:
         LOG.add("sync", -1, "Device.synchronize")
+        _land()
 
     def __enter__(self) -> "Device":
         _tls.saved_devices = getattr(_tls, "saved_devices", []) + [current_device()]
@@ -144,6 +159,8 @@ class Event:
 
     def synchronize(self) -> None:
         LOG.add("sync", -1, "Event.synchronize")
+        if self.stream is not None:
+            _land(self.stream)
 
 
 class Stream:
@@ -167,6 +184,7 @@ class Stream:
 
     def synchronize(self) -> None:
         LOG.add("sync", self.ptr, "Stream.synchronize")
+        _land(self.ptr)
 
     @property
     def done(self) -> bool:
@@ -475,7 +493,12 @@ def memcpy_async(dst: int, src: int, size: int, kind: int, stream: int) -> None:
     for role, want, got in (("source", want_src, got_src), ("destination", want_dst, got_dst)):
         ok = got == "device" if want == "device" else got in ("host", "pinned")
         assert ok, f"memcpyAsync kind {kind}: {role} is {got} memory, expected {want}"
-    raw(dst, size)[...] = raw(src, size)
+    if int(kind) == 2:          # lands in host memory at the next sync with the stream
+        target = raw(dst, size)
+        _landing.setdefault(int(stream), []).append((target, raw(src, size).copy()))
+        target[...] = 0xCD
+    else:
+        raw(dst, size)[...] = raw(src, size)
     LOG.add("copy", stream, (int(kind), int(size), got_src if want_src == "host" else
                              got_dst if want_dst == "host" else "device"))
 

@@ -118,6 +118,13 @@ def check_torch() -> None:
     hvd.broadcast_(b, root_rank=0, name="tb")
     assert b.tolist() == [0.0, 0.0]
     assert all(r.device for r in submitted), [r.name for r in submitted if not r.device]
+    # a side stream in torch: the ready event is recorded there and that stream waits
+    side = cupy.cuda.Stream(non_blocking=True)
+    gpu.torch.set_stream(side.ptr)
+    t = cuda_tensor(torch.ones(6))
+    hvd.allreduce_(t, op=hvd.Sum, name="side")
+    assert gpu.log.of("record", side.ptr) and gpu.log.of("wait", side.ptr), gpu.log.records[-9:]
+    gpu.torch.set_stream(0)
     # DistributedOptimizer with gradients on the "GPU": the average of every rank's gradient
     model = torch.nn.Linear(4, 2)
     torch.manual_seed(0)
