@@ -182,8 +182,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if self._spec is None:      # Horovod-style custom compressor, per tensor
             grad, ctx = self._compression.compress(grad)
         elif grad is p.grad and grad.is_contiguous() and \
-                grad.device.type in _IN_PLACE_DEVICES:
-            handle = self._submit_in_place(p, name, grad)
+                (where := grad.device.type) in _IN_PLACE_DEVICES:
+            handle = self._submit_in_place(p, name, grad, where == "cpu")
             if handle is not None:
                 return handle, _IN_PLACE
         pre, post = self._scales()
@@ -194,13 +194,14 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                                       self._compression if self._spec else None, out=s.array)
         return handle, (s, ctx)
 
-    def _submit_in_place(self, p: torch.Tensor, name: str, grad: torch.Tensor) -> Any:
+    def _submit_in_place(self, p: torch.Tensor, name: str, grad: torch.Tensor,
+                         cpu: bool = True) -> Any:
         """The per-step fast path: the gradient's own memory is reduced in place with the
         request validated at the first step (same name, shape, dtype, op and scales every
         step), so a gradient costs a view and a queue entry. None: take the general path."""
         eng = _api.engine()
         cached = self._prepared.get(p)
-        if grad.device.type == "cpu":
+        if cpu:
             arr = as_array(grad)
         else:                       # CUDA: ready event on the stream that wrote the gradient
             arr = device_array(grad, ready=True)
