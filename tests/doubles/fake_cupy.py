@@ -167,9 +167,12 @@ class Stream:
     null: "Stream"
 
     def __init__(self, null: bool = False, non_blocking: bool = False, ptr: int | None = None,
-                 device_id: int = -1) -> None:
+                 device_id: int | None = None) -> None:
         self.ptr = 0 if null else (next(_ptrs) if ptr is None else int(ptr))
-        self.device_id = current_device() if device_id < 0 else device_id
+        # CuPy: a new stream belongs to the current device; the null stream and an external
+        # stream without device_id to whichever device is current (-1)
+        self.device_id = (-1 if null or ptr is not None else current_device()) \
+            if device_id is None else device_id
         self.non_blocking = non_blocking
 
     def record(self, event: Event | None = None) -> Event:
@@ -192,6 +195,8 @@ class Stream:
         return True
 
     def __enter__(self) -> "Stream":
+        assert self.device_id in (-1, current_device()), \
+            f"stream of device {self.device_id} entered on device {current_device()}"  # as CuPy
         _tls.streams = getattr(_tls, "streams", []) + [self]
         return self
 
@@ -201,6 +206,7 @@ class Stream:
 
 def ExternalStream(ptr: int, device_id: int = -1) -> Stream:  # noqa: N802 (CuPy's name)
     assert isinstance(ptr, int), f"ExternalStream needs an int pointer, got {type(ptr).__name__}"
+    assert isinstance(device_id, int), f"device_id must be an int, got {device_id!r}"
     return Stream(ptr=ptr, device_id=device_id)
 
 
@@ -433,12 +439,13 @@ def ascontiguousarray(a: Any, dtype: Any = None) -> ndarray:
 
 
 def from_dlpack(obj: Any) -> ndarray:
-    """Zero-copy import (the doubles' "device" tensors are host tensors underneath)."""
+    """Zero-copy import (the doubles' "device" tensors are host tensors underneath; they
+    say they live on GPU 0, see fake_torch)."""
     a = np.from_dlpack(obj)
     LOG.add("dlpack", get_current_stream().ptr, type(obj).__name__)
     if a.nbytes:
         MEMORY.add(a, a.ctypes.data, a.nbytes, "device")
-    return ndarray._of(a, current_device())
+    return ndarray._of(a, 0)
 
 
 def _elementwise(fn: Any) -> Any:
