@@ -94,6 +94,21 @@ def record_event(device_id: int, stream: Any = None) -> Any:
     return event
 
 
+#: torch dtypes CuPy cannot import through DLPack, and the integer view they travel as
+_TORCH_VIEWS = {"torch.bfloat16": ("int16", "bfloat16"), "torch.bool": ("uint8", "bool")}
+
+
+def torch_view(t: Any) -> DeviceTensor:
+    """A torch CUDA tensor of a dtype CuPy lacks (bfloat16, bool) as an integer view."""
+    import torch
+
+    from . import dtypes
+
+    view, name = _TORCH_VIEWS[str(t.dtype)]
+    return DeviceTensor(kc.as_cupy(t.detach().view(getattr(torch, view))),
+                        dtypes.SUPPORTED[name])
+
+
 def adopt(obj: Any, what: str) -> DeviceTensor:
     """``obj`` as a :class:`DeviceTensor` (zero copy) with its ready event recorded now.
 
@@ -102,6 +117,8 @@ def adopt(obj: Any, what: str) -> DeviceTensor:
     """
     if isinstance(obj, DeviceTensor):
         dt = obj
+    elif type(obj).__module__.startswith("torch") and str(obj.dtype) in _TORCH_VIEWS:
+        dt = torch_view(obj)
     else:
         arr = kc.as_cupy(obj)
         if not arr.flags.c_contiguous:

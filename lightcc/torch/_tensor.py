@@ -125,10 +125,8 @@ def device_array(t: torch.Tensor, ready: bool = False) -> device.DeviceTensor:
     from ..common.kernels import cuda as kc
 
     t = t.detach()
-    if t.dtype == torch.bfloat16:        # CuPy has no bfloat16: its bits as int16
-        dt = device.DeviceTensor(kc.as_cupy(t.view(torch.int16)), _BF16)
-    elif t.dtype == torch.bool:
-        dt = device.DeviceTensor(kc.as_cupy(t.view(torch.uint8)), np.bool_)
+    if t.dtype in (torch.bfloat16, torch.bool):    # CuPy has neither: integer bits
+        dt = device.torch_view(t)
     else:
         dt = device.DeviceTensor(kc.as_cupy(t))
     if ready:
@@ -152,10 +150,14 @@ def torch_stream(dev: torch.device | None) -> Any:
     if dev is None:
         return contextlib.nullcontext()
     cupy = _cupy()
+    index = dev.index if dev.index is not None else torch.cuda.current_device()
     ptr = torch.cuda.current_stream(dev).cuda_stream
-    if ptr == cupy.cuda.get_current_stream().ptr:
+    if index == cupy.cuda.runtime.getDevice() and ptr == cupy.cuda.get_current_stream().ptr:
         return contextlib.nullcontext()
-    return cupy.cuda.ExternalStream(ptr, dev.index if dev.index is not None else -1)
+    stack = contextlib.ExitStack()
+    stack.enter_context(cupy.cuda.Device(index))     # CuPy enters a stream on its own device
+    stack.enter_context(cupy.cuda.ExternalStream(ptr, index))
+    return stack
 
 
 def to_device(result: torch.Tensor, like: torch.Tensor) -> torch.Tensor:

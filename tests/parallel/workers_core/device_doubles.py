@@ -156,7 +156,8 @@ def check_no_host_sync_and_errors() -> None:
     res = lcc.grouped_allreduce([x, x[:10]], lcc.Sum, name="nosync", prescale_factor=2.0)
     syncs = gpu.log.of("sync")
     assert not syncs, syncs
-    assert gpu.log.of("nccl") and {r[2] for r in gpu.log.of("launch")} == \
+    # one fused bucket, or two single ones when the second arrived after the first was agreed
+    assert gpu.log.of("nccl") and {r[2] for r in gpu.log.of("launch")} <= \
         {"lcc_pack_scale_f32", "lcc_unpack_b4"}, gpu.log.records
     assert (res[0].get() == 2.0).all() and (res[1].get() == 2.0).all()
     for call, match in [
