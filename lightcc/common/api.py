@@ -1,4 +1,8 @@
-"""The framework-agnostic public API on NumPy arrays (re-exported by ``lightcc``).
+"""The framework-agnostic public API on NumPy and GPU arrays (re-exported by ``lightcc``).
+
+GPU arrays (CuPy, torch CUDA tensors, DLPack / ``__cuda_array_interface__``) enter zero-copy as
+``device.DeviceTensor``s and run through ``device_exec.py``; host arrays are never checked for
+it beyond one type test (docs/gpu.md).
 
 Every collective has an ``*_async`` form that returns a :class:`~.engine.Handle` at once and
 a blocking form (``synchronize(*_async(...))``). Names identify a tensor across ranks; when
