@@ -2,9 +2,10 @@
 
 :func:`plan` is pure: every rank runs it on the same batch and gets the same buckets.
 Allreduces with the same dtype, op, scale factors, compressor, process set and memory (host
-or GPU: a bucket never mixes them) share a bucket, in batch order, until the bucket would exceed the fusion threshold; a tensor larger
-than the threshold gets a bucket of its own (it is never truncated), and so does an
-uncompressed tensor of at least :data:`DIRECT_BYTES` (reduced in place, without copies).
+or GPU: a bucket never mixes them) share a bucket, in batch order, until the bucket would
+exceed the fusion threshold; a tensor larger than the threshold gets a bucket of its own (it is
+never truncated), and so does an uncompressed tensor of at least :data:`DIRECT_BYTES` (reduced
+in place, without copies).
 Compressed tensors are always fused, since compression acts per bucket. Whether a tensor is
 compressed is decided per tensor (:func:`effective_compression`), never by its bucket.
 """

@@ -4,8 +4,9 @@ Every ``*_async`` function submits to the core engine and returns an integer han
 ``_handles`` maps it to the core handle and to the post-processing that turns the core's
 result into tensors (copying staged inputs back for in-place ops), so ``synchronize(handle)``
 returns tensors, as in Horovod. CUDA tensors travel zero-copy (``_tensor.stage``); waiting for
-them makes torch's current stream wait for the engine's work, not the host. ``poll(handle)`` never blocks. The differentiable blocking
-forms (``allreduce``, ``allgather``, ...) live in :mod:`.autograd` and are re-exported here.
+them makes torch's current stream wait for the engine's work, not the host.
+``poll(handle)`` never blocks. The differentiable blocking forms (``allreduce``,
+``allgather``, ...) live in :mod:`.autograd` and are re-exported here.
 """
 from __future__ import annotations
 

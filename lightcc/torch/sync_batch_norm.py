@@ -3,8 +3,8 @@
 Works on CPU and CUDA tensors (the statistics stay on the input's device). Forward allgathers
 each rank's per-channel (count, mean, M2) and combines them with Chan's parallel-variance
 formula (one collective, numerically stable, ranks may hold different batch sizes); backward
-allreduces the two per-channel sums the input gradient needs. Weight and bias gradients stay local: the
-DistributedOptimizer averages them like any other gradient.
+allreduces the two per-channel sums the input gradient needs. Weight and bias gradients stay
+local: the DistributedOptimizer averages them like any other gradient.
 """
 from __future__ import annotations
 

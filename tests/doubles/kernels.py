@@ -71,7 +71,7 @@ def emulate(func: str, args: tuple, to_np: Callable[[Any], Any],
 
     a = [to_np(v) if to_np(v) is not None else
          (None if isinstance(v, np.uint64) and func != "lcc_topk_sample" and v == 0 else v)
-         for v in args]                                  # np.uint64(0) is a null pointer                                  # np.uint64(0) is a null pointer
+         for v in args]                                  # np.uint64(0) is a null pointer
     fmt = fc.FORMATS.get(func.rsplit("_", 1)[-1])
     if func in ("lcc_amax_warp", "lcc_amax_big"):
         x, n, bs, _, amax = a

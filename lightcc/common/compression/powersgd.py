@@ -11,8 +11,8 @@ for the structure lost by that reshape. One power iteration per step::
 
 Q starts from a seeded standard normal (identical on all ranks) and, with warm start, is kept
 per bucket for the next step. GPU buffers run the same steps with CuPy (matmul, QR), with
-their factors and residuals on the GPU. The residual of rank i is ``M_i - P Q_i^T`` (what its own matrix
-lost in the projection; the residuals sum to ``sum M_i - result``). A rank sends
+their factors and residuals on the GPU. The residual of rank i is ``M_i - P Q_i^T`` (what its
+own matrix lost in the projection; the residuals sum to ``sum M_i - result``). A rank sends
 ``2 (n-1)/n * 4 r (rows + cols)`` bytes instead of ``2 (n-1)/n * 4 N``. Buckets where that is
 no saving are summed uncompressed.
 """
