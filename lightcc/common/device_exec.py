@@ -32,7 +32,16 @@ from .group import Group
 from .kernels import cuda as kc
 from .messages import Coll, Response
 
-_WIDENED = ("float16", "bfloat16")        # stored narrow, reduced in a float32 bucket
+#: stored narrow, reduced wider: 16-bit floats in float32 (as on the host); 16-bit integers in
+#: int32, since NCCL has no 16-bit integer type (sum, min and max give the host's results, as
+#: the cast back wraps around; an average of sums beyond 16 bits does not wrap before dividing)
+_WIDENED = {"float16": np.dtype(np.float32), "bfloat16": np.dtype(np.float32),
+            "int16": np.dtype(np.int32), "uint16": np.dtype(np.int32)}
+
+
+def reduce_dtype(name: str) -> np.dtype:
+    """The dtype a device bucket of lightcc dtype ``name`` is reduced in."""
+    return _WIDENED.get(name) or dtypes.reduce_dtype(name)
 
 
 def storage_dtype(name: str) -> np.dtype:
@@ -48,7 +57,8 @@ def _flat(dt: Any, as_dtype: Any = None) -> Any:
 
 # ---- float16 / bfloat16 <-> float32 (CuPy element-wise ops; same bits as the host path) ----
 def widen(cupy: Any, src: Any, name: str, out: Any) -> None:
-    """``out`` (float32) = ``src`` (float16, or bfloat16 bits in any 2-byte integer type)."""
+    """``out`` (float32 / int32) = ``src`` (float16, bfloat16 bits in any 2-byte integer
+    type, int16 or uint16)."""
     if name == "bfloat16":
         bits = src.view(np.uint16).astype(np.uint32)
         cupy.left_shift(bits, 16, out=out.view(np.uint32))
@@ -60,7 +70,7 @@ def narrow(cupy: Any, src: Any, name: str, out: Any, scale: float = 1.0) -> None
     """``out`` = ``src * scale`` rounded to nearest even (fp16: Inf beyond range; bf16 bits,
     NaN kept with its sign, as ml_dtypes does)."""
     x = src * np.float32(scale) if scale != 1.0 else src
-    if name == "float16":
+    if name != "bfloat16":                # fp16: IEEE rounding; 16-bit ints wrap around
         cupy.copyto(out, x, casting="unsafe")
         return
     u = x.view(np.uint32)
@@ -165,7 +175,7 @@ def _allreduce(cupy: Any, group: Group, dev: Any, resps: list[Response],
         return [None if e is None else _alone(cupy, e) for e in entries]
     t0 = time.perf_counter() if group.tracer.enabled else 0.0
     name = req.dtype
-    rdt = dtypes.reduce_dtype(name)
+    rdt = reduce_dtype(name)
     sizes = [int(math.prod(r.request.shape)) for r in resps]
     floating = name in dtypes.FLOATING
     spec = fusion.effective_compression(resps[0], group.min_compress_bytes)
@@ -287,12 +297,12 @@ def _reducescatter(cupy: Any, dev: Any, resp: Response, entry: Any) -> Any:
     req = resp.request
     world = dev.topo.world
     n, me, name = world.size, world.rank, req.dtype
-    rdt = dtypes.reduce_dtype(name)
+    rdt = reduce_dtype(name)
     row = int(math.prod(req.shape[1:]))
     rows = even_counts(req.shape[0], n)
     counts = [r * row for r in rows]
     if name in _WIDENED:
-        send = cupy.empty(entry.array.size, np.float32)
+        send = cupy.empty(entry.array.size, rdt)
         widen(cupy, _flat(entry.array), name, send)
     else:
         send = _flat(entry.array, rdt)

@@ -99,7 +99,8 @@ def _same(a: list, b: list) -> None:
     ("float32", "average", 1.0, 1.0), ("float32", "sum", 0.5, 3.0),
     ("float16", "average", 1.0, 1.0), ("bfloat16", "sum", 2.0, 0.25),
     ("int32", "average", 1.0, 1.0), ("float64", "max", 1.0, 1.0),
-    ("bool", "sum", 1.0, 1.0), ("int64", "min", 1.0, 1.0)])
+    ("bool", "sum", 1.0, 1.0), ("int64", "min", 1.0, 1.0), ("int16", "average", 1.0, 1.0),
+    ("uint16", "max", 1.0, 1.0)])
 def test_fused_bucket_matches_host_path(gpu, dtype, op, pre, post):
     shapes = [(3, 5), (7,), (2, 2, 2)]           # flat: both sum in rank order
     dev = run_bucket(gpu, 3, shapes, dtype, op, pre, post, exact=False)
