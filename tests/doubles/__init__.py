@@ -1,4 +1,5 @@
-"""Test doubles for the GPU path: CuPy (``fake_cupy``), NCCL with thread ranks
+"""Test doubles for the GPU path: CuPy (``fake_cupy`` arrays, ``fake_cuda`` runtime), NCCL with
+thread ranks
 (``fake_nccl``), the CUDA kernels (``kernels``: emulation + PTX signature checks) and the
 part of ``torch.cuda`` lightcc uses plus tensors that say they are on a GPU (``fake_torch``).
 
