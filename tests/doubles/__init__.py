@@ -1,7 +1,7 @@
 """Test doubles for the GPU path: CuPy (``fake_cupy`` arrays, ``fake_cuda`` runtime), NCCL with
-thread ranks
-(``fake_nccl``), the CUDA kernels (``kernels``: emulation + PTX signature checks) and the
-part of ``torch.cuda`` lightcc uses plus tensors that say they are on a GPU (``fake_torch``).
+thread ranks (``fake_nccl``), the CUDA kernels (``kernels``: emulation + PTX signature checks)
+and the part of ``torch.cuda`` lightcc uses plus tensors that say they are on a GPU
+(``fake_torch``).
 
 :func:`install` puts them in place for one test (``monkeypatch``): ``import cupy`` then gives
 the fake, kernel launches are checked against the PTX signatures and emulated, and every launch,
