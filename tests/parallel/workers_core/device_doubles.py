@@ -102,6 +102,7 @@ def check_torch() -> None:
 
     R, N = hvd.rank(), hvd.size()
     submitted.clear()
+    gpu.log.clear()
     cupy.cuda.Device(1).use()        # CuPy's current device is not the tensors' (cuda:0)
     for dt in (torch.float32, torch.float16, torch.bfloat16):
         t = cuda_tensor(torch.full((3, 4), float(R + 1), dtype=dt))
@@ -142,6 +143,9 @@ def check_torch() -> None:
     for i, (p, p0) in enumerate(zip(model.parameters(), before)):
         assert torch.allclose(p.detach(), p0 - ((N - 1) / 2 + i)), (p, p0)
     assert N == 1 or (submitted and all(r.device for r in submitted))
+    if os.environ.get("LCC_BACKEND") == "nccl":      # no host round trip on the NCCL path
+        staged = [r for r in gpu.log.of("copy") if r[2][0] in (1, 2)]
+        assert not staged and gpu.log.of("nccl"), staged
     cupy.cuda.Device(0).use()
     print(f"rank {R}: ok torch", flush=True)
 
