@@ -8,6 +8,10 @@ Run on a machine with a GPU (see docs/gpu.md)::
 
 Kernel rates are *read* rates: input bytes / median time (GB/s, 1e9 bytes). Targets (issue 9):
 casts >= 0.9x torch's cast, TopK >= 5x torch.topk, lightcc allreduce overhead <= 5 % at >= 64 MB.
+The allreduce table compares a raw CuPy NCCL call, lightcc's NCCL communicator and the whole
+engine (``lightcc.allreduce`` in place, waited for on the host like the raw call). On a single
+GPU (one rank) NCCL has nothing to exchange, so the engine column then shows the engine's fixed
+cost per call; the overhead target is about two or more GPUs. ``--json PATH`` writes every row.
 Exits with status 2 and a message when CuPy, torch with CUDA, or a GPU is missing.
 """
 from __future__ import annotations
@@ -129,7 +133,8 @@ def kernel_table(cupy: Any, torch: Any, size_mb: int, reps: int) -> list[tuple]:
 
 
 def allreduce_table(cupy: Any, reps: int, max_mb: int) -> list[tuple]:
-    """Rows (MB, raw NCCL ms, lightcc backend ms, overhead %, lightcc engine ms or None)."""
+    """Rows (MB, raw NCCL ms, lightcc backend ms, overhead %, engine ms or None, engine
+    overhead % or None)."""
     from mpi4py import MPI
     from cupy.cuda import nccl
 
@@ -159,9 +164,14 @@ def allreduce_table(cupy: Any, reps: int, max_mb: int) -> list[tuple]:
         if engine_ok:
             import lightcc
 
-            t_eng = _wall(cupy, lambda: lightcc.allreduce(x, op="sum", name=f"bench{mb}"), reps)
+            def run_engine() -> None:
+                lightcc.allreduce(x, op="sum", name=f"bench{mb}", out=x)
+                cupy.cuda.get_current_stream().synchronize()   # as the raw call waits
+
+            t_eng = _wall(cupy, run_engine, reps)
         rows.append((mb, t_raw * 1e3, t_lcc * 1e3, 100 * (t_lcc / t_raw - 1),
-                     None if t_eng is None else t_eng * 1e3))
+                     None if t_eng is None else t_eng * 1e3,
+                     None if t_eng is None else 100 * (t_eng / t_raw - 1)))
         mb *= 4
     comm.free()
     raw.destroy()
@@ -205,10 +215,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--skip-kernels", action="store_true")
     ap.add_argument("--skip-allreduce", action="store_true")
+    ap.add_argument("--json", default=None, help="also write the tables to this file")
     args = ap.parse_args(argv)
     cupy, torch = _require_gpu()
-    print(f"device: {cupy.cuda.runtime.getDeviceProperties(0)['name'].decode()}, "
-          f"CuPy {cupy.__version__}, torch {torch.__version__}")
+    device = cupy.cuda.runtime.getDeviceProperties(0)["name"]
+    device = device.decode() if isinstance(device, bytes) else str(device)
+    print(f"device: {device}, CuPy {cupy.__version__}, torch {torch.__version__}")
+    result: dict[str, Any] = {"device": device, "size_mb": args.size_mb, "reps": args.reps,
+                              "kernels": [], "allreduce": []}
     if not args.skip_kernels:
         print(f"\nkernels on {args.size_mb} MiB fp32 (read GB/s; median of {args.reps})")
         print(f"{'kernel':30s} {'lightcc':>9s} {'torch':>9s} {'ratio':>7s} {'target':>7s}")
@@ -216,13 +230,29 @@ def main(argv: list[str] | None = None) -> int:
                                                                args.reps):
             tgt = "" if target is None else f">={target:g}x"
             print(f"{name:30s} {a:9.0f} {b:9.0f} {ratio:7.2f} {tgt:>7s} {verdict}")
+            result["kernels"].append({"kernel": name, "lightcc_gbs": a, "torch_gbs": b,
+                                      "ratio": ratio, "target": target, "verdict": verdict})
     if not args.skip_allreduce:
         print(f"\nallreduce fp32 (ms, median of {args.reps}); overhead target <= 5 % at >= 64 MB")
-        print(f"{'MB':>6s} {'raw NCCL':>10s} {'lightcc':>10s} {'overhead':>9s} {'engine':>10s}")
-        for mb, raw, lcc, over, eng in allreduce_table(cupy, args.reps, args.max_allreduce_mb):
+        print(f"{'MB':>6s} {'raw NCCL':>10s} {'lightcc':>10s} {'overhead':>9s} {'engine':>10s} "
+              f"{'overhead':>9s}")
+        for mb, raw, lcc, over, eng, eover in allreduce_table(cupy, args.reps,
+                                                              args.max_allreduce_mb):
             flag = " MISS" if mb >= 64 and over > 5 else ""
             e = "-" if eng is None else f"{eng:.3f}"
-            print(f"{mb:6d} {raw:10.3f} {lcc:10.3f} {over:8.1f}%{flag} {e:>10s}")
+            eo = "-" if eover is None else f"{eover:.1f}%"
+            print(f"{mb:6d} {raw:10.3f} {lcc:10.3f} {over:8.1f}%{flag} {e:>10s} {eo:>9s}")
+            result["allreduce"].append({"mb": mb, "raw_ms": raw, "comm_ms": lcc,
+                                        "comm_overhead_pct": over, "engine_ms": eng,
+                                        "engine_overhead_pct": eover})
+    if args.json:
+        import json
+
+        from mpi4py import MPI
+
+        result["ranks"] = MPI.COMM_WORLD.Get_size()
+        if MPI.COMM_WORLD.Get_rank() == 0:
+            Path(args.json).write_text(json.dumps(result, indent=1), encoding="utf-8")
     return 0
 
 

@@ -1,6 +1,7 @@
 """Train a small CNN on MNIST with lightcc's DistributedOptimizer.
 
     lccrun -np 2 python examples/mnist.py          # or: mpirun -np 2 python examples/mnist.py
+    python examples/mnist.py --cuda --epochs 1     # on a GPU (one per rank)
 
 Data: the four standard IDX files (``train-images-idx3-ubyte[.gz]`` ...) in ``--data-dir``;
 ``--download`` fetches them first when the network allows. Without them the example says so
@@ -143,7 +144,8 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=0.05, help="per rank; scaled by size")
     parser.add_argument("--compression", default="none",
                         help="none, fp16, bf16, fp8, topk, powersgd (lightcc.torch.Compression)")
-    parser.add_argument("--cuda", action="store_true", help="train on the GPU (local rank)")
+    parser.add_argument("--cuda", action="store_true",
+                        help="train on the GPU of the local rank (an error without one)")
     parser.add_argument("--seed", type=int, default=42)
     parser.add_argument("--json", default=None, help="write a summary here (rank 0)")
     args = parser.parse_args()
@@ -152,8 +154,11 @@ def main() -> None:
     torch.manual_seed(args.seed)
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // lcc.local_size()))
     device = torch.device("cpu")
-    if args.cuda and torch.cuda.is_available():
+    if args.cuda:      # one GPU per rank; gradients are reduced on it (NCCL or MPI staging)
+        if not torch.cuda.is_available():
+            raise SystemExit("--cuda: torch sees no CUDA device")
         device = torch.device("cuda", lcc.local_rank() % torch.cuda.device_count())
+        torch.cuda.set_device(device)
     train, test, description = load_data(args)
     side = train.tensors[0].shape[-1]
     epochs = args.epochs or (8 if side < 16 else 3)

@@ -1,7 +1,7 @@
 """lightcc: collective communication for distributed deep-learning training.
 
-``import lightcc as lcc`` gives the framework-agnostic API on NumPy arrays; PyTorch users
-import ``lightcc.torch`` (Horovod-compatible). See README.md and docs/.
+``import lightcc as lcc`` gives the framework-agnostic API on NumPy and GPU (CuPy) arrays;
+PyTorch users import ``lightcc.torch`` (Horovod-compatible). See README.md and docs/.
 """
 from __future__ import annotations
 

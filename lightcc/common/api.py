@@ -1,4 +1,8 @@
-"""The framework-agnostic public API on NumPy arrays (re-exported by ``lightcc``).
+"""The framework-agnostic public API on NumPy and GPU arrays (re-exported by ``lightcc``).
+
+GPU arrays (CuPy, torch CUDA tensors, DLPack / ``__cuda_array_interface__``) enter zero-copy as
+``device.DeviceTensor``s and run through ``device_exec.py``; host arrays are never checked for
+it beyond one type test (docs/gpu.md).
 
 Every collective has an ``*_async`` form that returns a :class:`~.engine.Handle` at once and
 a blocking form (``synchronize(*_async(...))``). Names identify a tensor across ranks; when
@@ -21,7 +25,8 @@ from typing import Any, Sequence
 import numpy as np
 
 from . import config as config_mod
-from . import dtypes
+from . import device, dtypes
+from .device import DeviceTensor
 from .engine import Engine, Handle
 from .exceptions import (InvalidArgumentError, LightCCError, NotInitializedError,
                          UnsupportedDTypeError)
@@ -238,6 +243,10 @@ def stats() -> dict[str, Any]:
     for pid, group in eng.groups.items():
         if pid and group.topo is not None:
             comms[f"pset{pid}"] = group.topo.world
+        if group.device is not None:       # NCCL communicators count their own bytes
+            for c in group.device.comms():
+                if all(c.stats is not h.stats for h in comms.values()):
+                    comms[f"{'' if not pid else f'pset{pid}.'}device.{c.name}"] = c
     out: dict[str, Any] = {name: c.stats.snapshot() for name, c in comms.items()}
     out["bytes_sent"] = sum(v["bytes_sent"] for v in out.values())
     out["bytes_received"] = sum(v["bytes_received"] for k, v in out.items()
@@ -291,6 +300,10 @@ def _as_array(value: Any, what: str) -> np.ndarray:
         arr = value
     elif isinstance(value, (list, tuple, int, float, bool, np.generic)):
         arr = np.asarray(value)
+    elif device.is_device_array(value):    # GPU memory: a zero-copy CuPy view
+        dt = device.adopt(value, what)
+        dtypes.name_of(dt.dtype)
+        return dt
     elif hasattr(value, "__array__") or hasattr(value, "__array_interface__"):
         arr = np.asarray(value)
     else:
@@ -359,6 +372,15 @@ def _check_out(out: Any, arr: np.ndarray, what: str) -> None:
         raise InvalidArgumentError(f"{what}: out is read-only")
 
 
+def _on_device(req: Request, arr: DeviceTensor, out: Any, what: str) -> tuple[Request, Any]:
+    """The request for a GPU tensor (executed by device_exec.py), and ``out`` checked for it;
+    the process set is tied to the tensor's GPU on this rank."""
+    device.bind(_get().pset(req.pset), arr, what)
+    if out is not None:
+        out = device.check_out(out, arr, what)
+    return req._replace(device=True), out
+
+
 def _compression_spec(compression: Any) -> str:
     if compression is None:
         return "none"
@@ -397,9 +419,12 @@ def allreduce_async(array: Any, op: str | None = None, name: str | None = None,
     what = f"allreduce '{nm}'"
     op_ = _op(op, Average, what, dt)
     pre, post = _scales(prescale_factor, postscale_factor, dt, what)
-    _check_out(out, arr, what)
     req = Request(Coll.ALLREDUCE, nm, dt, tuple(arr.shape), op_, -1, pre, post, (),
                   _compression_spec(compression), pset)
+    if type(arr) is DeviceTensor:
+        req, out = _on_device(req, arr, out, what)
+    else:
+        _check_out(out, arr, what)
     return eng.submit(req, arr, out, wake=_wake, stream=stream, label=label)
 
 
@@ -462,8 +487,10 @@ def allgather_async(array: Any, name: str | None = None, process_set: Any = None
     if arr.ndim == 0:
         raise InvalidArgumentError(f"allgather '{nm}': needs at least one dimension, got a "
                                    f"0-d array (reshape it to (1,))")
-    return eng.submit(Request(Coll.ALLGATHER, nm, dt, tuple(arr.shape), pset=pset), arr,
-                      stream=stream, label=label)
+    req = Request(Coll.ALLGATHER, nm, dt, tuple(arr.shape), pset=pset)
+    if type(arr) is DeviceTensor:
+        req, _ = _on_device(req, arr, None, f"allgather '{nm}'")
+    return eng.submit(req, arr, stream=stream, label=label)
 
 
 def allgather(array: Any, name: str | None = None, process_set: Any = None, *,
@@ -486,9 +513,12 @@ def broadcast_async(array: Any, root_rank: int, name: str | None = None,
     root = _root_index(root_rank, members, eng.size,   # before a name is generated
                        "broadcast" if name is None else f"broadcast '{name}'")
     nm, stream, label = _name(eng, Coll.BROADCAST, name, pset, ordered)
-    _check_out(out, arr, f"broadcast '{nm}'")
-    return eng.submit(Request(Coll.BROADCAST, nm, dt, tuple(arr.shape), root=root,
-                              pset=pset), arr, out, stream=stream, label=label)
+    req = Request(Coll.BROADCAST, nm, dt, tuple(arr.shape), root=root, pset=pset)
+    if type(arr) is DeviceTensor:
+        req, out = _on_device(req, arr, out, f"broadcast '{nm}'")
+    else:
+        _check_out(out, arr, f"broadcast '{nm}'")
+    return eng.submit(req, arr, out, stream=stream, label=label)
 
 
 def _root_index(root_rank: Any, members: Sequence[int], world_size: int, what: str) -> int:
@@ -547,9 +577,10 @@ def alltoall_async(array: Any, splits: Sequence[int] | None = None, name: str | 
         if any(s < 0 for s in split_list) or sum(split_list) != arr.shape[0]:
             raise InvalidArgumentError(f"{what}: splits {list(split_list)} must be >= 0 and "
                                        f"sum to the first dimension {arr.shape[0]}")
-    handle = eng.submit(Request(Coll.ALLTOALL, nm, dt, tuple(arr.shape), splits=split_list,
-                                pset=pset), arr,
-                        stream=stream, label=label)
+    req = Request(Coll.ALLTOALL, nm, dt, tuple(arr.shape), splits=split_list, pset=pset)
+    if type(arr) is DeviceTensor:
+        req, _ = _on_device(req, arr, None, what)
+    handle = eng.submit(req, arr, stream=stream, label=label)
     if splits is None:
         return _Derived(handle, lambda res: res[0])
     return handle
@@ -575,9 +606,10 @@ def reducescatter_async(array: Any, op: str | None = None, name: str | None = No
         raise InvalidArgumentError(f"{what}: needs at least one dimension")
     op_ = _op(op, Average, what, dt)
     pre, post = _scales(prescale_factor, postscale_factor, dt, what)
-    return eng.submit(Request(Coll.REDUCESCATTER, nm, dt, tuple(arr.shape), op_, -1, pre, post,
-                              pset=pset), arr,
-                      stream=stream, label=label)
+    req = Request(Coll.REDUCESCATTER, nm, dt, tuple(arr.shape), op_, -1, pre, post, pset=pset)
+    if type(arr) is DeviceTensor:
+        req, _ = _on_device(req, arr, None, what)
+    return eng.submit(req, arr, stream=stream, label=label)
 
 
 def reducescatter(array: Any, op: str | None = None, name: str | None = None,

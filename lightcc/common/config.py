@@ -149,9 +149,14 @@ KNOBS: tuple[Knob, ...] = (
          "only on a single host with fewer than 2 usable cores per rank, where background "
          "shared-memory collectives starve for CPU.", _choice(("auto", "0", "1"))),
     Knob("backend", "LCC_BACKEND", lambda t: t.strip().lower(), "auto", "",
-         "Communicator backend for device arrays: auto, mpi, nccl.", _choice(BACKENDS)),
+         "Backend for GPU arrays (host arrays always use MPI): nccl = NCCL through CuPy, an "
+         "error at the first GPU collective if a rank lacks it; mpi = MPI through pinned host "
+         "buffers; auto = nccl when every rank of the process set has CuPy, NCCL and a GPU, "
+         "else mpi.", _choice(BACKENDS)),
     Knob("cpu_reduce", "LCC_CPU_REDUCE", _parse_bool, False, "",
-         "Reduce GPU buckets on the host inside a node (for PCIe-only machines).", ),
+         "GPU allreduce buckets are copied once to pinned host memory, reduced there by the "
+         "host algorithm and compressor over MPI (inside and across nodes), and copied back "
+         "(for PCIe-only machines, ACSpeed's CPU-Reduce).", ),
     Knob("timeline", "LCC_TIMELINE", _parse_str, "", "path",
          "Write a Chrome/Perfetto trace of every collective to this file.", ),
     Knob("timeline_all_ranks", "LCC_TIMELINE_ALL_RANKS", _parse_bool, False, "",

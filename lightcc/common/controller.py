@@ -372,7 +372,8 @@ def validate(members: tuple[int, ...], reqs: dict[int, Request],
               ("dtype", lambda q: q.dtype, str), ("op", lambda q: q.op, str),
               ("prescale factor", lambda q: q.prescale, str),
               ("postscale factor", lambda q: q.postscale, str),
-              ("compression", lambda q: q.compression, str)]
+              ("compression", lambda q: q.compression, str),
+              ("memory", lambda q: "GPU" if q.device else "host", str)]
     if ref.coll in (Coll.ALLREDUCE, Coll.BROADCAST, Coll.REDUCESCATTER):
         checks.append(("shape", lambda q: q.shape, _shape))
     if ref.coll in (Coll.ALLGATHER, Coll.ALLTOALL):

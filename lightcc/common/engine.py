@@ -98,7 +98,8 @@ class Handle:
     thread that waits without driving the engine gets an event made on demand.
     """
 
-    __slots__ = ("_done", "_waiter", "_result", "_error", "request", "_callbacks", "_engine")
+    __slots__ = ("_done", "_waiter", "_result", "_error", "request", "_callbacks", "_engine",
+                 "device_done")
 
     def __init__(self, request: Request | None, engine: "Engine | None" = None) -> None:
         self._done = False
@@ -108,6 +109,7 @@ class Handle:
         self.request = request
         self._callbacks: list = []
         self._engine = engine
+        self.device_done: Any = None     # GPU results: device.Completion, set by device_exec
 
     def done(self) -> bool:
         """True once complete; never blocks (in lazy mode it also starts queued work)."""
@@ -117,6 +119,9 @@ class Handle:
 
     def wait(self, timeout: float | None = None) -> Any:
         """Block until complete; return the result or raise the collective's error.
+
+        GPU results are complete once the calling thread's current CuPy stream reaches them:
+        this makes that stream wait on the engine's done event (no host sync).
 
         The waiting thread drives the engine itself while nobody else does (no thread
         hand-off on the latency-critical path); otherwise it sleeps on an event.
@@ -134,6 +139,8 @@ class Handle:
                                f"did not complete within {timeout} s")
         if self._error is not None:
             raise self._error
+        if self.device_done is not None:   # the caller's stream waits for the GPU work
+            self.device_done.consume()
         return self._result
 
     def _set(self, result: Any = None, error: BaseException | None = None) -> None:

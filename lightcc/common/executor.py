@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from . import algorithms, dtypes, faults, fusion
+from . import algorithms, device_exec, dtypes, faults, fusion
 from .backends.base import displacements, even_counts
 from .compression.base import BucketContext
 from .group import Group
@@ -80,8 +80,10 @@ def _finish_scaling(buf: Any, op: str, dtype: str, n: int, postscale: float) -> 
 def allreduce_bucket(group: Group, resps: list[Response],
                      entries: list[LocalEntry | None]) -> list[Any]:
     """Fuse, reduce and unpack one bucket of allreduces; returns each entry's result."""
-    t0 = time.perf_counter() if group.tracer.enabled else 0.0
     req = resps[0].request
+    if req.device:      # GPU tensors (never fused with host ones): device_exec.py
+        return device_exec.allreduce_bucket(group, resps, entries)
+    t0 = time.perf_counter() if group.tracer.enabled else 0.0
     n = group.topo.size
     if n == 1 and req.prescale == 1.0 and req.postscale == 1.0:
         return [_alone(e) for e in entries]    # a sum or average over one rank: the input
@@ -276,6 +278,8 @@ def reducescatter(group: Group, resp: Response, entry: LocalEntry) -> Any:
 
 def execute_single(group: Group, resp: Response, entry: LocalEntry | None) -> Any:
     """Run a non-allreduce response; returns the entry's result."""
+    if resp.request.device:
+        return device_exec.execute_single(group, resp, entry)
     coll = resp.request.coll
     if coll == Coll.ALLGATHER:
         return allgather(group, resp, entry)

@@ -1,10 +1,11 @@
 """Bucket planning, and packing tensors into a reusable fusion buffer.
 
 :func:`plan` is pure: every rank runs it on the same batch and gets the same buckets.
-Allreduces with the same dtype, op, scale factors, compressor and process set share a
-bucket, in batch order, until the bucket would exceed the fusion threshold; a tensor larger
-than the threshold gets a bucket of its own (it is never truncated), and so does an
-uncompressed tensor of at least :data:`DIRECT_BYTES` (reduced in place, without copies).
+Allreduces with the same dtype, op, scale factors, compressor, process set and memory (host
+or GPU: a bucket never mixes them) share a bucket, in batch order, until the bucket would
+exceed the fusion threshold; a tensor larger than the threshold gets a bucket of its own (it is
+never truncated), and so does an uncompressed tensor of at least :data:`DIRECT_BYTES` (reduced
+in place, without copies).
 Compressed tensors are always fused, since compression acts per bucket. Whether a tensor is
 compressed is decided per tensor (:func:`effective_compression`), never by its bucket.
 """
@@ -36,7 +37,7 @@ def fusion_key(resp: Response, min_compress_bytes: int = 0) -> tuple | None:
     if resp.error or req.coll != Coll.ALLREDUCE:
         return None
     return (req.dtype, req.op, req.prescale, req.postscale,
-            effective_compression(resp, min_compress_bytes), req.pset)
+            effective_compression(resp, min_compress_bytes), req.pset, req.device)
 
 
 def nbytes(resp: Response) -> int:

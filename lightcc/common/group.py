@@ -3,7 +3,9 @@
 The engine keeps one :class:`Group` per process set (the global set is group 0). Everything the
 executor needs for a bucket hangs off it as plain attributes, so the hot path does no lookups in
 module globals and two process sets never share state: each has its own fusion buffer and its
-own compressors, hence its own error-feedback residuals and PowerSGD factors.
+own compressors, hence its own error-feedback residuals and PowerSGD factors. Device arrays use
+the set's device communicators (:meth:`Group.device_comms`, from the backend factory), made at
+the set's first device bucket.
 
 :class:`ExecSettings` are frozen; a change (the autotuner's, applied at the same batch on every
 rank) replaces them and pushes the chunk sizes down to the group's communicators.
@@ -32,13 +34,16 @@ class ExecSettings:
     mpi_chunk_bytes: int = 4 << 20
     ef_ttl_steps: int = 10_000
     auto: AutoThresholds = AutoThresholds()
+    backend: str = "auto"            # device arrays: auto, nccl, mpi (LCC_BACKEND)
+    cpu_reduce: bool = False         # device buckets reduced on the host (LCC_CPU_REDUCE)
 
     @classmethod
     def from_config(cls, cfg: Any) -> "ExecSettings":
         return cls(algorithm=cfg.algorithm, fusion_threshold=cfg.fusion_threshold,
                    min_compress_bytes=cfg.min_compress_bytes,
                    ring_chunk_bytes=cfg.ring_chunk_bytes, mpi_chunk_bytes=cfg.mpi_chunk_bytes,
-                   ef_ttl_steps=cfg.ef_ttl_steps,
+                   ef_ttl_steps=cfg.ef_ttl_steps, backend=cfg.backend,
+                   cpu_reduce=cfg.cpu_reduce,
                    auto=AutoThresholds(small_bytes=cfg.auto_small_bytes,
                                        hierarchical_bytes=cfg.auto_multinode_bytes,
                                        multi_node=cfg.auto_multi_node))
@@ -64,6 +69,8 @@ class Group:
     compressors: dict[str, Any] = field(default_factory=dict)
     step: int = 0                  # batches that executed work of this group
     tracer: Tracer = NULL
+    device_id: int | None = None   # this rank's GPU for the set (its first device tensor's)
+    device: Any = None             # DeviceComms, made by device_comms() when first needed
 
     def __post_init__(self) -> None:
         self._push_chunks()
@@ -98,6 +105,20 @@ class Group:
                 memory.ttl_steps = self.settings.ef_ttl_steps
         return comp
 
+    def device_comms(self) -> Any:
+        """The set's device communicators, GPU and engine stream (``backends.factory``); made
+        on first use, which is collective: the executor calls it for a device bucket, which
+        every member executes at the same point."""
+        if self.device is None:
+            from .backends import factory
+
+            self.device = factory.make_device_comms(self.topo, self.settings.backend,
+                                                    self.device_id)
+            self.device_id = self.device.device
+            self._push_chunks()
+            self.set_tracer(self.tracer)
+        return self.device
+
     # -- changes --------------------------------------------------------------------------------
     def apply(self, settings: ExecSettings) -> None:
         """Take new settings (same values, same batch, on every rank)."""
@@ -120,11 +141,15 @@ class Group:
 
     def _comms(self) -> list:
         t = self.topo
-        return [] if t is None else [t.world, t.local, t.cross]
+        comms = [] if t is None else [t.world, t.local, t.cross]
+        return comms + (self.device.comms() if self.device is not None else [])
 
     def free(self, free_world: bool = True) -> None:
         """Free the communicators (collective over the members) and the buffers."""
         self.fusion.release()
+        if self.device is not None:
+            self.device.free()
+            self.device = None
         if self.topo is not None:
             self.topo.free()
             if free_world:

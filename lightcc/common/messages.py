@@ -55,6 +55,7 @@ class Request(NamedTuple):
     splits: tuple[int, ...] = ()
     compression: str = "none"
     pset: int = 0
+    device: bool = False          # the tensor lives in GPU memory (never fused with host ones)
 
     @property
     def key(self) -> tuple[int, int, str]:

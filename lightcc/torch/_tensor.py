@@ -1,18 +1,27 @@
-"""Tensor <-> NumPy adapters: hand the core a view of a tensor's memory, never a copy when the
+"""Tensor <-> array adapters: hand the core a view of a tensor's memory, never a copy when the
 tensor allows it.
 
 A contiguous CPU tensor becomes ``t.detach().numpy()`` (same memory); bfloat16 goes through an
-int16 view re-typed as ``ml_dtypes.bfloat16``. Non-contiguous and CUDA tensors are staged
-through a contiguous CPU copy; :class:`Staged` remembers where the result must be copied back.
+int16 view re-typed as ``ml_dtypes.bfloat16``. A contiguous CUDA tensor becomes a
+:class:`~lightcc.common.device.DeviceTensor` (a zero-copy CuPy view; bfloat16 as int16 bits,
+bool as uint8) whose ready event is recorded on torch's current stream, so the engine's stream
+waits for the kernels that produced it. A non-contiguous tensor is staged through a contiguous
+copy on its own device; :class:`Staged` remembers where the result must be copied back. Tensors
+of other devices go through a CPU copy.
+
+Waiting for a CUDA result happens inside :func:`torch_stream`, which makes torch's current
+stream CuPy's current stream, so the core makes *that* stream wait for the engine's work.
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
 
-from ..common import dtypes
+from ..common import device, dtypes
 from ..common.exceptions import UnsupportedDTypeError
 
 _BF16 = dtypes.BFLOAT16
@@ -55,13 +64,15 @@ class Staged:
     """An array the core may read and write, plus the tensor it stands for.
 
     ``copy_back`` is True when ``array`` is a staging copy (non-contiguous or non-CPU tensor)
-    whose contents must be written back into ``tensor`` after an in-place collective.
+    whose contents must be written back into ``tensor`` after an in-place collective;
+    ``gpu`` when ``array`` is a DeviceTensor (``work`` then lives on the tensor's GPU).
     """
 
     tensor: torch.Tensor
-    work: torch.Tensor      # contiguous CPU tensor backing ``array``
-    array: np.ndarray
+    work: torch.Tensor      # contiguous tensor backing ``array`` (CPU, or the tensor's GPU)
+    array: Any              # np.ndarray, or a DeviceTensor for CUDA tensors
     copy_back: bool
+    gpu: bool = False
 
     def finish(self) -> torch.Tensor:
         """Write the result into ``tensor`` when it was staged; returns ``tensor``."""
@@ -81,16 +92,82 @@ def stage(t: torch.Tensor, what: str) -> Staged:
                               f"DistributedOptimizer's sparse handling or to_dense())")
     if t.device.type == "cpu" and t.is_contiguous():
         return Staged(t, t, as_array(t), False)
+    if t.device.type == "cuda":      # zero copy; a non-contiguous one is copied on the GPU
+        work = t if t.is_contiguous() else t.detach().contiguous()
+        return Staged(t, work, device_array(work, ready=True), work is not t, True)
     work = t.detach().to("cpu", copy=True).contiguous()
     return Staged(t, work, as_array(work), True)
 
 
-def result_like(t: torch.Tensor) -> tuple[torch.Tensor, np.ndarray]:
-    """A fresh contiguous CPU tensor shaped like ``t`` and its array view (an ``out=`` target)."""
+def result_like(t: torch.Tensor) -> tuple[torch.Tensor, Any]:
+    """A fresh contiguous tensor shaped like ``t`` on its device (CPU or GPU) and its array
+    view (an ``out=`` target)."""
+    if t.device.type == "cuda":
+        out = torch.empty_like(t, memory_format=torch.contiguous_format)
+        return out, device_array(out)
     out = torch.empty(t.shape, dtype=t.dtype)
     return out, as_array(out)
+
+
+# ---- CUDA tensors ---------------------------------------------------------------------------
+def _cupy() -> Any:
+    from ..common.kernels import cuda as kc
+
+    return kc.cupy_or_raise()
+
+
+def device_array(t: torch.Tensor, ready: bool = False) -> device.DeviceTensor:
+    """A DeviceTensor viewing the contiguous CUDA tensor ``t`` (no copy).
+
+    With ``ready``, its ready event is recorded now on torch's current stream of ``t``'s
+    device: the engine's stream waits on it before reading ``t``.
+    """
+    from ..common.kernels import cuda as kc
+
+    t = t.detach()
+    if t.dtype in (torch.bfloat16, torch.bool):    # CuPy has neither: integer bits
+        dt = device.torch_view(t)
+    else:
+        dt = device.DeviceTensor(kc.as_cupy(t))
+    if ready:
+        cupy = _cupy()
+        dt.ready = device.record_event(dt.device, cupy.cuda.ExternalStream(
+            torch.cuda.current_stream(t.device).cuda_stream, dt.device))
+    return dt
+
+
+def from_device(result: Any, like: torch.Tensor) -> torch.Tensor:
+    """The torch tensor of a CuPy result (zero copy), re-typed like ``like`` (bf16, bool)."""
+    out = torch.from_dlpack(result)
+    if like.dtype in (torch.bfloat16, torch.bool) and out.dtype != like.dtype:
+        out = out.view(like.dtype)
+    return out
+
+
+def torch_stream(dev: torch.device | None) -> Any:
+    """While active, CuPy's current stream is torch's current stream of ``dev`` (nothing for
+    None or when they already agree), so waiting for a CUDA result orders torch's stream."""
+    if dev is None:
+        return contextlib.nullcontext()
+    cupy = _cupy()
+    index = dev.index if dev.index is not None else torch.cuda.current_device()
+    ptr = torch.cuda.current_stream(dev).cuda_stream
+    if index == cupy.cuda.runtime.getDevice() and ptr == cupy.cuda.get_current_stream().ptr:
+        return contextlib.nullcontext()
+    stack = contextlib.ExitStack()
+    stack.enter_context(cupy.cuda.Device(index))     # CuPy enters a stream on its own device
+    stack.enter_context(cupy.cuda.ExternalStream(ptr, index))
+    return stack
 
 
 def to_device(result: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """Move a CPU result to ``like``'s device (no-op on CPU)."""
     return result if like.device.type == "cpu" else result.to(like.device)
+
+
+def core_result(result: Any, like: torch.Tensor) -> torch.Tensor:
+    """The tensor for a core result made for ``like``: a CUDA (CuPy) result as a zero-copy
+    tensor, a host result moved to ``like``'s device (tensors of other devices)."""
+    if like.device.type == "cuda":
+        return from_device(result, like)
+    return to_device(from_array(result), like)

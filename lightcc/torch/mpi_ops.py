@@ -3,8 +3,10 @@
 Every ``*_async`` function submits to the core engine and returns an integer handle; the table
 ``_handles`` maps it to the core handle and to the post-processing that turns the core's
 result into tensors (copying staged inputs back for in-place ops), so ``synchronize(handle)``
-returns tensors, as in Horovod. ``poll(handle)`` never blocks. The differentiable blocking
-forms (``allreduce``, ``allgather``, ...) live in :mod:`.autograd` and are re-exported here.
+returns tensors, as in Horovod. CUDA tensors travel zero-copy (``_tensor.stage``); waiting for
+them makes torch's current stream wait for the engine's work, not the host.
+``poll(handle)`` never blocks. The differentiable blocking forms (``allreduce``,
+``allgather``, ...) live in :mod:`.autograd` and are re-exported here.
 """
 from __future__ import annotations
 
@@ -21,16 +23,16 @@ from ..common.api import (Adasum, Average, Max, Min, ProcessSet, Product, Sum,
 from ..common.exceptions import HorovodInternalError
 from ..common.messages import Coll
 from . import basics
-from ._tensor import from_array, result_like, stage, to_device
+from ._tensor import core_result, result_like, stage, to_device, torch_stream
 from .compression import spec_of
 
 
 # ---- handle table -----------------------------------------------------------------------------
 class _Pending:
-    __slots__ = ("core", "finish")
+    __slots__ = ("core", "finish", "gpu")
 
-    def __init__(self, core: Any, finish: Callable[[Any], Any]) -> None:
-        self.core, self.finish = core, finish
+    def __init__(self, core: Any, finish: Callable[[Any], Any], gpu: Any = None) -> None:
+        self.core, self.finish, self.gpu = core, finish, gpu
 
 
 _handles: dict[int, _Pending] = {}
@@ -44,10 +46,16 @@ def _reset() -> None:
 basics._reset_hooks.append(_reset)
 
 
-def _register(core: Any, finish: Callable[[Any], Any]) -> int:
+def _register(core: Any, finish: Callable[[Any], Any], gpu: Any = None) -> int:
+    """A handle for ``core``; ``gpu`` is the torch device of CUDA tensors (None for CPU)."""
     handle = next(_counter)
-    _handles[handle] = _Pending(core, finish)
+    _handles[handle] = _Pending(core, finish, gpu)
     return handle
+
+
+def _gpu(tensors: Sequence[torch.Tensor]) -> Any:
+    """The device of the first CUDA tensor, or None."""
+    return next((t.device for t in tensors if t.device.type == "cuda"), None)
 
 
 def poll(handle: int) -> bool:
@@ -66,7 +74,10 @@ def synchronize(handle: int) -> Any:
     pending = _handles.pop(handle, None)
     if pending is None:
         return None
-    return pending.finish(pending.core.wait())
+    if pending.gpu is None:
+        return pending.finish(pending.core.wait())
+    with torch_stream(pending.gpu):      # torch's current stream waits for the GPU work
+        return pending.finish(pending.core.wait())
 
 
 # ---- argument helpers -------------------------------------------------------------------------
@@ -120,14 +131,15 @@ def _allreduce_submit(tensor: torch.Tensor, inplace: bool, name: str | None, op:
                       prescale_factor: float, postscale_factor: float, process_set: Any,
                       compression: Any = None) -> int:
     s = stage(tensor, "allreduce")
+    gpu = tensor.device if s.gpu else None
     if inplace:
         core = _api.allreduce_async(s.array, op, name, prescale_factor, postscale_factor,
                                     process_set, compression, out=s.array)
-        return _register(core, lambda _res: s.finish())
+        return _register(core, lambda _res: s.finish(), gpu)
     out, out_arr = result_like(s.work)
     core = _api.allreduce_async(s.array, op, name, prescale_factor, postscale_factor,
                                 process_set, compression, out=out_arr)
-    return _register(core, lambda _res: to_device(out, tensor))
+    return _register(core, lambda _res: out if s.gpu else to_device(out, tensor), gpu)
 
 
 def allreduce_async(tensor: torch.Tensor, average: Any = None, name: str | None = None,
@@ -165,12 +177,13 @@ def _grouped_allreduce_submit(tensors: Sequence[torch.Tensor], inplace: bool, na
         core = _api.grouped_allreduce_async([s.array for s in staged], op, name,
                                             prescale_factor, postscale_factor, process_set,
                                             compression, outs=outs)
-        return _register(core, lambda _res: [s.finish() for s in staged])
+        return _register(core, lambda _res: [s.finish() for s in staged], _gpu(tensors))
     results = [result_like(s.work) for s in staged]
     core = _api.grouped_allreduce_async([s.array for s in staged], op, name, prescale_factor,
                                         postscale_factor, process_set, compression,
                                         outs=[a for _, a in results])
-    return _register(core, lambda _res: [to_device(o, t) for (o, _), t in zip(results, tensors)])
+    return _register(core, lambda _res: [o if s.gpu else to_device(o, t) for (o, _), t, s
+                                         in zip(results, tensors, staged)], _gpu(tensors))
 
 
 def grouped_allreduce_async(tensors: Sequence[torch.Tensor], average: Any = None,
@@ -227,7 +240,7 @@ def allgather_async(tensor: torch.Tensor, name: str | None = None,
     """Start concatenating every rank's ``tensor`` along dimension 0 (sizes may differ)."""
     s = stage(tensor, "allgather")
     core = _api.allgather_async(s.array, name, process_set)
-    return _register(core, lambda res: to_device(from_array(res), tensor))
+    return _register(core, lambda res: core_result(res, tensor), _gpu([tensor]))
 
 
 def grouped_allgather_async(tensors: Sequence[torch.Tensor], name: str | None = None,
@@ -236,19 +249,20 @@ def grouped_allgather_async(tensors: Sequence[torch.Tensor], name: str | None = 
     staged = [stage(t, "grouped_allgather") for t in tensors]
     core = _api.GroupHandle([_api.allgather_async(s.array, f"{base}.{i}", process_set)
                              for i, s in enumerate(staged)])
-    return _register(core, lambda res: [to_device(from_array(r), t)
-                                        for r, t in zip(res, tensors)])
+    return _register(core, lambda res: [core_result(r, t) for r, t in zip(res, tensors)],
+                     _gpu(tensors))
 
 
 def _broadcast_submit(tensor: torch.Tensor, inplace: bool, root_rank: int, name: str | None,
                       process_set: Any) -> int:
     s = stage(tensor, "broadcast")
+    gpu = tensor.device if s.gpu else None
     if inplace:
         core = _api.broadcast_async(s.array, root_rank, name, process_set, out=s.array)
-        return _register(core, lambda _res: s.finish())
+        return _register(core, lambda _res: s.finish(), gpu)
     out, out_arr = result_like(s.work)
     core = _api.broadcast_async(s.array, root_rank, name, process_set, out=out_arr)
-    return _register(core, lambda _res: to_device(out, tensor))
+    return _register(core, lambda _res: out if s.gpu else to_device(out, tensor), gpu)
 
 
 def broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None = None,
@@ -293,10 +307,9 @@ def alltoall_async(tensor: torch.Tensor, splits: Any = None, name: str | None = 
 
     def finish(res: Any) -> tuple[torch.Tensor, torch.Tensor]:
         out, received = res
-        return (to_device(from_array(out), tensor),
-                torch.as_tensor(np.asarray(received)).to(dtype))
+        return core_result(out, tensor), torch.as_tensor(np.asarray(received)).to(dtype)
 
-    return _register(core, finish)
+    return _register(core, finish, _gpu([tensor]))
 
 
 def reducescatter_async(tensor: torch.Tensor, name: str | None = None, op: Any = Average,
@@ -306,7 +319,7 @@ def reducescatter_async(tensor: torch.Tensor, name: str | None = None, op: Any =
     s = stage(tensor, "reducescatter")
     core = _api.reducescatter_async(s.array, op, name, process_set, prescale_factor,
                                     postscale_factor)
-    return _register(core, lambda res: to_device(from_array(res), tensor))
+    return _register(core, lambda res: core_result(res, tensor), _gpu([tensor]))
 
 
 def grouped_reducescatter_async(tensors: Sequence[torch.Tensor], name: str | None = None,
@@ -318,8 +331,8 @@ def grouped_reducescatter_async(tensors: Sequence[torch.Tensor], name: str | Non
     core = _api.GroupHandle([_api.reducescatter_async(s.array, op, f"{base}.{i}", process_set,
                                                       prescale_factor, postscale_factor)
                              for i, s in enumerate(staged)])
-    return _register(core, lambda res: [to_device(from_array(r), t)
-                                        for r, t in zip(res, tensors)])
+    return _register(core, lambda res: [core_result(r, t) for r, t in zip(res, tensors)],
+                     _gpu(tensors))
 
 
 # ---- control ----------------------------------------------------------------------------------

@@ -7,7 +7,8 @@ to the wrapped optimizer. A post-accumulate-grad hook on every parameter submits
 gradient's in-place allreduce as soon as autograd has written it, so communication overlaps
 the rest of backward; the engine fuses what is ready into buckets and applies ``compression``
 to each bucket. ``step()`` waits for the reductions (``synchronize()``) and steps the wrapped
-optimizer.
+optimizer. CUDA gradients are reduced in their own GPU memory (NCCL, or MPI through pinned
+host buffers); waiting for them makes torch's current stream wait, not the host.
 """
 from __future__ import annotations
 
@@ -21,12 +22,13 @@ from ..common import api as _api
 from ..common.api import Adasum, Average, global_process_set
 from ..common.exceptions import InvalidArgumentError
 from . import mpi_ops as _ops
-from ._tensor import as_array, stage
+from ._tensor import as_array, device_array, stage, torch_stream
 from .compression import Compression, spec_of
 from .functions import broadcast_object
 
 _STATE_KEY = "lightcc_compression"     # compressor state inside state_dict()
 _IN_PLACE = object()                   # handle info: reduced in the gradient's own memory
+_IN_PLACE_DEVICES = ("cpu", "cuda")    # gradients reduced in place (contiguous ones)
 
 
 class _DistributedOptimizer(torch.optim.Optimizer):
@@ -55,6 +57,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._should_synchronize = True
         self._warned_double_sync = False
         self._groups = groups
+        self._gpu: Any = None                # torch device of CUDA gradients, once seen
         self._p_to_group: dict = {}
         self._group_counts: dict = {}
         if self.process_set.included() and _api.size() > 1:
@@ -179,23 +182,31 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         ctx = None
         if self._spec is None:      # Horovod-style custom compressor, per tensor
             grad, ctx = self._compression.compress(grad)
-        elif grad is p.grad and grad.device.type == "cpu" and grad.is_contiguous():
-            handle = self._submit_in_place(p, name, grad)
+        elif grad is p.grad and grad.is_contiguous() and \
+                (where := grad.device.type) in _IN_PLACE_DEVICES:
+            handle = self._submit_in_place(p, name, grad, where == "cpu")
             if handle is not None:
                 return handle, _IN_PLACE
         pre, post = self._scales()
         s = stage(grad, "DistributedOptimizer")
+        if s.gpu:
+            self._gpu = grad.device
         handle = _api.allreduce_async(s.array, self.op, name, pre, post, self.process_set,
                                       self._compression if self._spec else None, out=s.array)
         return handle, (s, ctx)
 
-    def _submit_in_place(self, p: torch.Tensor, name: str, grad: torch.Tensor) -> Any:
+    def _submit_in_place(self, p: torch.Tensor, name: str, grad: torch.Tensor,
+                         cpu: bool = True) -> Any:
         """The per-step fast path: the gradient's own memory is reduced in place with the
         request validated at the first step (same name, shape, dtype, op and scales every
         step), so a gradient costs a view and a queue entry. None: take the general path."""
         eng = _api.engine()
         cached = self._prepared.get(p)
-        arr = as_array(grad)
+        if cpu:
+            arr = as_array(grad)
+        else:                       # CUDA: ready event on the stream that wrote the gradient
+            arr = device_array(grad, ready=True)
+            self._gpu = grad.device
         if cached is not None and cached[0] is eng and cached[1].shape == arr.shape and \
                 cached[2] == arr.dtype:
             return eng.submit(cached[1], arr, arr)
@@ -211,6 +222,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 p.grad = torch.zeros_like(p)
         pairs = [self._compress(p.grad) for p in group]
         staged = [stage(grad, "DistributedOptimizer") for grad, _ in pairs]
+        if self._gpu is None and any(st.gpu for st in staged):
+            self._gpu = next(st.tensor.device for st in staged if st.gpu)
         pre, post = self._scales()
         arrays = [s.array for s in staged]
         handle = _api.grouped_allreduce_async(arrays, self.op, self._parameter_names[group[0]],
@@ -267,8 +280,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             for p in [q for q in self._requires_update if q not in started]:
                 self._handles[p] = self._submit(p)
         try:
-            for key, (handle, info) in self._handles.items():
-                self._finish(key, handle, info)
+            with torch_stream(self._gpu):   # CUDA results: torch's stream waits for them
+                for key, (handle, info) in self._handles.items():
+                    self._finish(key, handle, info)
         finally:
             self._handles.clear()
             for p in self._allreduce_delay:

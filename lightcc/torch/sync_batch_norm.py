@@ -1,10 +1,10 @@
 """``SyncBatchNorm``: batch normalization with statistics over the whole global batch.
 
-Works on CPU (and on GPU tensors, staged through the host). Forward allgathers each rank's
-per-channel (count, mean, M2) and combines them with Chan's parallel-variance formula (one
-collective, numerically stable, ranks may hold different batch sizes); backward allreduces the
-two per-channel sums the input gradient needs. Weight and bias gradients stay local: the
-DistributedOptimizer averages them like any other gradient.
+Works on CPU and CUDA tensors (the statistics stay on the input's device). Forward allgathers
+each rank's per-channel (count, mean, M2) and combines them with Chan's parallel-variance
+formula (one collective, numerically stable, ranks may hold different batch sizes); backward
+allreduces the two per-channel sums the input gradient needs. Weight and bias gradients stay
+local: the DistributedOptimizer averages them like any other gradient.
 """
 from __future__ import annotations
 
@@ -65,9 +65,9 @@ class _SyncBatchNormFn(Function):
         x = input.detach()
         flat = _channels_last_2d(x).to(torch.float64)
         count = flat.shape[0]
-        mean = flat.mean(0) if count else torch.zeros(flat.shape[1], dtype=torch.float64)
+        mean = flat.mean(0) if count else flat.new_zeros(flat.shape[1])
         m2 = ((flat - mean) ** 2).sum(0)
-        stats = torch.cat([torch.tensor([float(count)], dtype=torch.float64), mean, m2])
+        stats = torch.cat([flat.new_tensor([float(count)]), mean, m2])
         gathered = _ops.allgather(stats.unsqueeze(0), name=None, process_set=process_set)
         c = x.shape[1]
         counts, means, m2s = gathered[:, 0], gathered[:, 1:1 + c], gathered[:, 1 + c:]

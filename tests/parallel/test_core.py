@@ -73,3 +73,14 @@ def test_compressed_allreduce_through_engine_every_algorithm(np_, local):
     out = run_mpi(np_, [W + "engine_compression.py"], env={"LCC_LOCAL_SIZE": local},
                   timeout=240).stdout
     assert out.count("engine compression ok") == np_, out
+
+
+@pytest.mark.parametrize("np_,backend", [(1, "nccl"), (2, "mpi")])
+def test_device_path_through_engine_with_gpu_doubles(np_, backend):
+    """CuPy/NCCL/torch.cuda doubles (tests/doubles): one rank over the fake NCCL, two ranks
+    over real MPI with pinned staging; every algorithm, compressor and collective."""
+    out = run_mpi(np_, [W + "device_doubles.py"], env={"LCC_BACKEND": backend},
+                  timeout=400).stdout
+    for what in ("algorithms x compressors", "collectives", "torch"):
+        assert out.count(f"ok {what}") == np_, out
+    assert np_ > 1 or "ok no host sync, errors" in out, out

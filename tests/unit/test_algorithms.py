@@ -54,6 +54,7 @@ def test_auto_choice(nranks, local, nbytes, want):
 def test_auto_device_buffers_use_native_hierarchical():
     assert algorithms.choose("auto", 100 * MB, topo(4, 2, device=True)) == "hierarchical"
     assert algorithms.choose("auto", 100 * MB, topo(4, 4, device=True)) == "flat"
+    assert algorithms.choose("auto", 100 * MB, topo(4, 1, device=True)) == "flat"   # NCCL ring
 
 
 def test_auto_is_same_on_every_rank():

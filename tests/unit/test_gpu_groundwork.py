@@ -12,8 +12,6 @@
 """
 from __future__ import annotations
 
-import re
-import shutil
 import subprocess
 import sys
 import types
@@ -24,6 +22,7 @@ import pytest
 
 from lightcc.common.exceptions import CollectiveError, InvalidArgumentError, LightCCError
 from lightcc.common.kernels import cuda as kc
+from tests.doubles import kernels
 
 ROOT = Path(__file__).resolve().parents[2]
 CSRC = ROOT / "csrc"
@@ -160,27 +159,12 @@ def make_fake_cupy():
     return cp
 
 
-def _ptx_params(tmp_path_factory) -> dict[str, dict[str, list[str]]]:
-    nvcc = shutil.which("nvcc") or "/usr/local/bin/nvcc"
-    if not Path(nvcc).exists():
-        pytest.skip("nvcc not found (install the CUDA toolkit)")
-    out: dict[str, dict[str, list[str]]] = {}
-    d = tmp_path_factory.mktemp("ptx")
-    for src in sorted(CSRC.glob("*.cu")):
-        ptx = d / (src.stem + ".ptx")
-        subprocess.run([nvcc, "--ptx", "-arch=sm_90", "-std=c++17", f"-I{CSRC}", str(src),
-                        "-o", str(ptx)], check=True, capture_output=True, timeout=300)
-        entries = re.findall(r"\.entry (\w+)\(\s*(.*?)\)", ptx.read_text(), re.S)
-        out[src.name] = {name: re.findall(r"\.param (\.\w+) ", body) for name, body in entries}
-    return out
-
-
 @pytest.fixture(scope="module")
-def ptx_params(tmp_path_factory):
-    return _ptx_params(tmp_path_factory)
-
-
-_SIZES = {".u64": 8, ".b64": 8, ".s64": 8, ".u32": 4, ".s32": 4, ".b32": 4, ".f32": 4}
+def ptx_params():
+    params = kernels.ptx_params()
+    if params is None:
+        pytest.skip("nvcc not found (install the CUDA toolkit)")
+    return params
 
 
 @pytest.fixture
@@ -191,19 +175,9 @@ def fake_gpu(monkeypatch, ptx_params):
     calls: list[tuple[str, str]] = []
 
     def get_function(module, func):
-        assert module in ptx_params, module
-        assert func in ptx_params[module], f"{func} not in {module}"
-        params = ptx_params[module][func]
-
         def launch(grid, block, args):
-            assert len(args) == len(params), f"{func}: {len(args)} args, {len(params)} params"
-            assert grid[0] >= 1 and block == (kc.THREADS,)
-            for i, (a, t) in enumerate(zip(args, params)):
-                assert isinstance(a, (FakeArr, np.generic)), f"{func} arg {i}: {type(a)}"
-                size = 8 if isinstance(a, FakeArr) else a.itemsize
-                assert size == _SIZES[t], f"{func} arg {i}: {size} bytes for {t}"
-                if t == ".f32":
-                    assert isinstance(a, np.float32), f"{func} arg {i} must be float32"
+            kernels.check_launch(ptx_params, module, func, grid, block, args,
+                                 lambda a: isinstance(a, FakeArr), kc.THREADS)
             calls.append((module, func))
             emulate(func, args)
         return launch
@@ -279,73 +253,9 @@ def _arr(a):
 
 
 def emulate(func: str, args: tuple) -> None:
-    """Run ``func`` on NumPy per its contract in csrc/ (so gpu.py's orchestration is tested)."""
-    from lightcc.common.kernels import floatcast as fc
-
-    a = [_arr(v) if isinstance(v, FakeArr) else
-         (None if isinstance(v, np.uint64) and func != "lcc_topk_sample" and v == 0 else v)
-         for v in args]                                  # np.uint64(0) is a null pointer
-    fmt = fc.FORMATS.get(func.rsplit("_", 1)[-1])
-    if func in ("lcc_amax_warp", "lcc_amax_big"):
-        x, n, bs, _, amax = a
-        np.maximum(amax, fc.block_amax(x[:n], int(bs)), out=amax)
-    elif func == "lcc_scale_exponents":
-        amax, nb, fmax, exps, scales = a
-        e = fc.scale_exponents(amax[:nb], float(fmax))
-        if exps is not None:
-            exps[:] = e
-        if scales is not None:
-            scales[:] = fc.exps_to_scales(e)
-    elif func.startswith("lcc_quantize_"):
-        x, n, bs, exps, q = a
-        q[:n] = fc.encode(x[:n], fmt, None if exps is None else exps.astype(np.int64), int(bs))
-    elif func.startswith("lcc_dequant_sum_"):
-        q, scales, n, nsrc, qs, ss, bs, phase, acc, out = a
-        assert phase == 0
-        if not acc:
-            out[:n] = 0
-        for r in range(nsrc):
-            sc = None if scales is None else scales[r * ss:(r + 1) * ss]
-            fc.decode(q[r * qs:r * qs + n], fmt, sc, int(bs), out=out[:n], accumulate=True)
-    elif func.startswith("lcc_decode_payload_"):
-        payload, n, nsrc, src_bytes, ns, bs, acc, out = a
-        if not acc:
-            out[:n] = 0
-        for r in range(nsrc):
-            p = payload[r * src_bytes:(r + 1) * src_bytes]
-            sc = np.frombuffer(p[:4 * ns].tobytes(), np.float32) if ns else None
-            codes = p[4 * ns:4 * ns + n * fmt.itemsize].view(fmt.code_dtype)
-            fc.decode(codes, fmt, sc, int(bs), out=out[:n], accumulate=True)
-    elif func == "lcc_topk_sample":
-        x, n, ns, seed, out = a
-        out[:] = np.abs(x[np.random.default_rng(int(seed)).integers(0, n, ns)])
-    elif func == "lcc_topk_select":
-        x, n, thr, cap, count, keys = a
-        with np.errstate(invalid="ignore"):
-            cand = np.flatnonzero(~(np.abs(x[:n]) < thr))
-        bits = np.abs(x[cand]).view(np.uint32).astype(np.uint64)
-        bits = np.minimum(bits, np.uint64(0x7F800000))
-        k = ((np.uint64(0xFFFFFFFF) - bits) << np.uint64(32)) | cand.astype(np.uint64)
-        np.random.default_rng(0).shuffle(k)              # atomics give no order
-        count[0] = cand.size
-        keys[:min(cand.size, cap)] = k[:cap]
-    elif func.startswith("lcc_scatter_add_"):
-        dst, n, idx, val, m, bad = a
-        ok = (idx[:m] >= 0) & (idx[:m] < n)
-        bad[0] += int((~ok).sum())
-        np.add.at(dst, idx[:m][ok], val[:m][ok])
-    elif func.startswith(("lcc_pack_", "lcc_unpack_")):
-        ptrs, offsets, starts, nt, chunk, bucket, scale = a
-        for t in range(nt):
-            view = _POINTEES[int(ptrs[t])]
-            seg = slice(int(offsets[t]), int(offsets[t + 1]))
-            scaled = "scale" in func
-            if func.startswith("lcc_pack_"):
-                bucket[seg] = view * scale if scaled else view
-            else:
-                view[:] = bucket[seg] * scale if scaled else bucket[seg]
-    else:
-        raise AssertionError(f"no emulation for {func}")
+    """The kernels' NumPy emulation (tests/doubles/kernels.py) on FakeArr arguments."""
+    kernels.emulate(func, args, lambda v: _arr(v) if isinstance(v, FakeArr) else None,
+                    lambda ptr, dtype, n: _POINTEES[ptr])
 
 
 def test_gpu_orchestration_matches_cpu(fake_gpu):

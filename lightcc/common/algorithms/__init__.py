@@ -40,6 +40,7 @@ class AutoThresholds:
       recursive doubling already);
     - one node: ``flat`` — shared memory, nothing topological to exploit;
     - one rank on every node, at or above ``single_rank_bytes`` (8 MB): ``single_rank_nodes``
+      for host buffers (device buffers use NCCL's native ring, ``flat``)
       (``ring``: lightcc's pipelined ring keeps several chunks in flight and reached 93-95 %
       of a 1 Gbit line at 16-64 MB where Open MPI's allreduce collapsed to 51-56 %; at 1-4 MB
       Open MPI's was as fast or steadier, 86-95 % against the ring's 77-95 %, docs/topology.md);
@@ -109,9 +110,10 @@ def choose(name: str, nbytes: int, topo: Topology,
     nodes = topo.num_nodes
     if nodes == 1 or nbytes < t.hierarchical_bytes:
         return "flat"
-    if nodes == topo.size:
-        return t.single_rank_nodes if nbytes >= t.single_rank_bytes else "flat"
-    if getattr(topo.world, "is_device", False):
+    device = getattr(topo.world, "is_device", False)
+    if nodes == topo.size:      # one rank per node; NCCL's own ring beats lightcc's over p2p
+        return t.single_rank_nodes if nbytes >= t.single_rank_bytes and not device else "flat"
+    if device:
         return t.multi_node_device
     return t.multi_node if topo.is_homogeneous else "flat"
 

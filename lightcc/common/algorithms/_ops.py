@@ -21,6 +21,19 @@ def array_module(buf: Any) -> Any:
     return numpy
 
 
+def like(arr: Any, ref: Any) -> Any:
+    """``arr`` in the memory ``ref`` lives in (host or GPU); copied only when it differs."""
+    xp = array_module(ref)
+    if array_module(arr) is xp:
+        return arr
+    return arr.get() if hasattr(arr, "get") and xp.__name__ == "numpy" else xp.asarray(arr)
+
+
+def host_copy(arr: Any) -> Any:
+    """A NumPy copy of a host or device array (for state dicts)."""
+    return arr.get() if array_module(arr).__name__ != "numpy" else arr.copy()
+
+
 def reduce_into(dst: Any, src: Any, op: str) -> None:
     """``dst = dst <op> src`` element-wise, in place (``op`` in :data:`REDUCE_OPS`)."""
     if op == "sum":

@@ -6,7 +6,8 @@ followed by ``n`` codes (2 bytes for fp16/bf16, 1 for fp8). An fp8 scale is the 
 of two ``2**e`` with ``amax / 2**e <= format max`` (amax over the finite values of the chunk or
 block), so the largest value lands in the format's top binade. Finite values beyond a format's
 range saturate (fp16 at ±65504, E4M3 at ±448, E5M2 at ±57344) instead of becoming Inf; NaN
-stays NaN, ±Inf stays ±Inf (NaN in E4M3, which has no infinity).
+stays NaN, ±Inf stays ±Inf (NaN in E4M3, which has no infinity). GPU buffers (CuPy) are
+encoded and decoded by the CUDA kernels of ``compression/gpu.py``, bit for bit the same.
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import numpy as np
 
 from ..exceptions import ConfigError
 from ..kernels import floatcast as fc
-from . import register
+from . import gpu, register
 from .twophase import TwoPhaseCompressor
 
 
@@ -42,6 +43,8 @@ class FloatCodec:
         return 4 * self.nscales(n) + self.fmt.itemsize * n
 
     def encode_into(self, x: np.ndarray, out: np.ndarray) -> None:
+        if not isinstance(x, np.ndarray):      # a GPU buffer: the CUDA kernels, same bits
+            return gpu.encode_into(self, x, out)
         n, ns = x.size, self.nscales(x.size)
         codes = out[4 * ns:].view(self.fmt.code_dtype)
         if ns == 0:
@@ -53,6 +56,8 @@ class FloatCodec:
         fc.encode(x, self.fmt, exps, bs, out=codes)
 
     def decode_into(self, payload: np.ndarray, n: int, out: np.ndarray, accumulate: bool) -> None:
+        if not isinstance(out, np.ndarray):
+            return gpu.decode_into(self, payload, n, out, accumulate)
         ns = self.nscales(n)
         codes = payload[4 * ns:].view(self.fmt.code_dtype)
         scales = np.frombuffer(payload[:4 * ns].tobytes(), np.float32) if ns else None

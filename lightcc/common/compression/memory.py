@@ -6,7 +6,8 @@ Residuals are keyed by **tensor name**, not by bucket, so they survive changes o
 plan; ``BucketContext`` (names/offsets/sizes, plus ``base`` for a slice) says which elements of
 the buffer belong to which tensor. A residual whose tensor has not been seen for
 :data:`TTL_STEPS` engine steps (batches) is dropped, so tensors that stop appearing do not hold
-memory forever (``LCC_EF_TTL_STEPS``; 0 keeps everything until :meth:`clear`).
+memory forever (``LCC_EF_TTL_STEPS``; 0 keeps everything until :meth:`clear`). Residuals live
+where their buffers do (host or GPU memory); ``state_dict`` returns NumPy copies.
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from typing import Any, Iterable, Iterator
 
 import numpy as np
 
+from ..algorithms._ops import array_module, host_copy, like
 from .base import BucketContext
 
 #: Default steps (batches of the process set) after which an unseen tensor's state is dropped;
@@ -57,6 +59,8 @@ class ResidualMemory:
         for name, size, lo, hi, tlo in segments(ctx, buf.size):
             r = self.residuals.get(name)
             if r is not None and r.size == size:
+                if type(r) is not type(buf):      # the tensor moved between host and GPU
+                    r = self.residuals[name] = like(r, buf)
                 buf[lo:hi] += r[tlo:tlo + hi - lo]
 
     def store(self, residual: np.ndarray, ctx: BucketContext) -> None:
@@ -64,7 +68,9 @@ class ResidualMemory:
         for name, size, lo, hi, tlo in segments(ctx, residual.size):
             r = self.residuals.get(name)
             if r is None or r.size != size:
-                r = self.residuals[name] = np.zeros(size, np.float32)
+                r = self.residuals[name] = array_module(residual).zeros(size, np.float32)
+            elif type(r) is not type(residual):
+                r = self.residuals[name] = like(r, residual)
             r[tlo:tlo + hi - lo] = residual[lo:hi]
             self.last_seen[name] = ctx.step
         for name in expire(self.last_seen, ctx.step, self.ttl_steps):
@@ -80,7 +86,7 @@ class ResidualMemory:
             self.last_seen.pop(name, None)
 
     def state_dict(self) -> dict[str, Any]:
-        return {name: r.copy() for name, r in self.residuals.items()}
+        return {name: host_copy(r) for name, r in self.residuals.items()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.residuals = {str(k): np.array(v, dtype=np.float32).reshape(-1)

@@ -10,8 +10,9 @@ for the structure lost by that reshape. One power iteration per step::
     Q_i = M^T P;  allreduce(Q);  result = P Q^T  (= P P^T sum_i M_i, the SUM the engine wants)
 
 Q starts from a seeded standard normal (identical on all ranks) and, with warm start, is kept
-per bucket for the next step. The residual of rank i is ``M_i - P Q_i^T`` (what its own matrix
-lost in the projection; the residuals sum to ``sum M_i - result``). A rank sends
+per bucket for the next step. GPU buffers run the same steps with CuPy (matmul, QR), with
+their factors and residuals on the GPU. The residual of rank i is ``M_i - P Q_i^T`` (what its
+own matrix lost in the projection; the residuals sum to ``sum M_i - result``). A rank sends
 ``2 (n-1)/n * 4 r (rows + cols)`` bytes instead of ``2 (n-1)/n * 4 N``. Buckets where that is
 no saving are summed uncompressed.
 """
@@ -27,6 +28,7 @@ import numpy as np
 from ..backends.base import Communicator
 from ..exceptions import ConfigError
 from . import register
+from ..algorithms._ops import array_module, host_copy, like
 from .base import BucketContext
 from .memory import ResidualMemory, expire, segments
 
@@ -114,7 +116,9 @@ class PowerSGDCompressor:
         if not mats:
             comm.allreduce(buf, "sum")
             return
-        bad = np.array([0 if np.isfinite(buf).all() else 1], np.uint8)
+        xp = array_module(buf)
+        bad = xp.zeros(1, np.uint8)
+        bad[0] = 0 if xp.isfinite(buf).all() else 1
         comm.allreduce(bad, "max")
         if bad[0]:
             # a non-finite step (e.g. an fp16 overflow that GradScaler will skip) goes dense
@@ -128,26 +132,26 @@ class PowerSGDCompressor:
         for part in mats:
             rows, cols = part.shape
             r = min(self.rank, rows, cols)
-            m = np.zeros(rows * cols, np.float32)     # near-square shapes are zero padded
+            m = xp.zeros(rows * cols, np.float32)     # near-square shapes are zero padded
             m[:part.hi - part.lo] = buf[part.lo:part.hi]
             ms.append(m.reshape(rows, cols))
             keys.append(self._key(part, ctx))
             q = self.qs.get(keys[-1]) if self.warm_start else None
-            qs.append(q if q is not None and q.shape == (cols, r)
-                      else self._initial_q(keys[-1], cols, r))
+            qs.append(like(q, buf) if q is not None and q.shape == (cols, r)
+                      else like(self._initial_q(keys[-1], cols, r), buf))
         # allreduce 1: every P factor and the uncompressed elements, in one buffer
         ps = [m @ q for m, q in zip(ms, qs)]
-        flat = np.concatenate([p.reshape(-1) for p in ps] +
+        flat = xp.concatenate([p.reshape(-1) for p in ps] +
                               [buf[p.lo:p.hi] for p in plain]).astype(np.float32)
         comm.allreduce(flat, "sum")
         pos = 0
         for i, p in enumerate(ps):
-            ps[i] = np.linalg.qr(flat[pos:pos + p.size].reshape(p.shape).astype(np.float64)
+            ps[i] = xp.linalg.qr(flat[pos:pos + p.size].reshape(p.shape).astype(np.float64)
                                  )[0].astype(np.float32)
             pos += p.size
         # allreduce 2: every Q factor
-        q_locals = [np.ascontiguousarray(m.T @ p) for m, p in zip(ms, ps)]
-        qflat = np.concatenate([q.reshape(-1) for q in q_locals]).astype(np.float32)
+        q_locals = [xp.ascontiguousarray(m.T @ p) for m, p in zip(ms, ps)]
+        qflat = xp.concatenate([q.reshape(-1) for q in q_locals]).astype(np.float32)
         comm.allreduce(qflat, "sum")
         if self.error_feedback:
             for part, m, p, ql in zip(mats, ms, ps, q_locals):
@@ -194,7 +198,7 @@ class PowerSGDCompressor:
 
     def state_dict(self) -> dict[str, Any]:
         return {"residuals": self.memory.state_dict(),
-                "q": {k: v.copy() for k, v in self.qs.items()}}
+                "q": {k: host_copy(v) for k, v in self.qs.items()}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.memory.load_state_dict(state.get("residuals", {}))

@@ -4,7 +4,8 @@ Each rank adds its residual to the buffer, keeps the ``k = max(1, ceil(ratio * n
 largest magnitude (exactly k; NaN/Inf always among them), and the ranks allgather their
 ``(int32 index, float32 value)`` pairs: ``8 k (n-1)`` bytes sent per rank. Every rank
 scatter-adds all pairs, in rank order, into a zeroed buffer, so results are bitwise identical.
-The entries not sent become the new residual (per tensor name, see ``memory.py``).
+The entries not sent become the new residual (per tensor name, see ``memory.py``). GPU buffers
+use the CUDA selection and scatter-add of ``compression/gpu.py`` (same indices and sums).
 """
 from __future__ import annotations
 
@@ -15,9 +16,10 @@ import numpy as np
 
 from ..backends.base import Communicator
 from ..exceptions import ConfigError
-from ..kernels import scatter_add, topk_indices
+from ..algorithms._ops import array_module
 from . import register
 from .base import BucketContext
+from .gpu import codec_module
 from .memory import ResidualMemory
 
 
@@ -47,7 +49,7 @@ class TopKCompressor:
         """
         if self.error_feedback:
             self.memory.add_to(buf, ctx)
-        idx = topk_indices(buf, self.k_for(buf.size))
+        idx = codec_module(buf).topk_indices(buf, self.k_for(buf.size))
         vals = buf[idx]
         buf[idx] = 0.0
         if self.error_feedback:
@@ -64,15 +66,18 @@ class TopKCompressor:
                               "lower the fusion threshold")
         idx, vals = self.compress(buf, ctx)
         k = self.last_k = idx.size
-        pack = np.empty(8 * k, np.uint8)
+        xp, codecs = array_module(buf), codec_module(buf)
+        pack = xp.empty(8 * k, np.uint8)
         pack[:4 * k] = idx.view(np.uint8)
         pack[4 * k:] = vals.view(np.uint8)
-        allp = np.empty(8 * k * p, np.uint8)
+        allp = xp.empty(8 * k * p, np.uint8)
         comm.allgatherv(pack, allp, [8 * k] * p)
         buf[:] = 0.0
+        check = {} if xp is np else {"check": False}   # the GPU kernel skips bad indices
         for r in range(p):
             part = allp[8 * k * r:8 * k * (r + 1)]
-            scatter_add(part[:4 * k].view(np.int32), part[4 * k:].view(np.float32), buf)
+            codecs.scatter_add(part[:4 * k].view(np.int32), part[4 * k:].view(np.float32), buf,
+                               **check)
 
     def wire_bytes(self, numel: int, nranks: int) -> int:
         """``8 k (nranks - 1)``: k int32 indices and k float32 values to every other rank."""

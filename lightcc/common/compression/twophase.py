@@ -17,7 +17,8 @@ as soon as all copies of it have arrived, re-encodes it and sends it on while la
 still arriving. Encoding, decoding and the slow link then overlap, so on a slow network the time
 approaches ``wire bytes / line rate`` instead of ``codec time + wire time``. The bytes on the
 wire and the per-piece arithmetic are those of the unpipelined scheme applied to each piece
-(for ``bucket``-scaled fp8 a piece carries its own scale).
+(for ``bucket``-scaled fp8 a piece carries its own scale). Device buffers (CuPy) always use the
+collective scheme, with the codecs' CUDA kernels.
 """
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ import numpy as np
 
 from ..backends.base import Communicator, displacements, even_counts, sub_blocks
 from ..backends.base import num_pieces as _num_pieces
+from ..algorithms._ops import array_module
 from .base import BucketContext
 
 #: fp32 bytes per piece of the pipelined scheme (chunks up to this size use the collective one).
@@ -89,7 +91,9 @@ class TwoPhaseCompressor:
         if p == 1 or buf.size == 0:
             return
         counts = even_counts(buf.size, p)
-        k = num_pieces(max(counts))
+        # device communicators: the collective scheme (NCCL issues point-to-point calls in
+        # groups that must match on both sides, which the pipelined exchange does not)
+        k = 1 if comm.is_device else num_pieces(max(counts))
         if k > 1:
             self._pipelined(comm, buf, counts, k)
             return
@@ -97,19 +101,20 @@ class TwoPhaseCompressor:
         enc = [self.codec.nbytes(c) for c in counts]
         estarts = displacements(enc)
         phases = _Phases(comm, self.name)
-        send = np.empty(sum(enc), np.uint8)
+        xp = array_module(buf)
+        send = xp.empty(sum(enc), np.uint8)
         for r in range(p):
             self.codec.encode_into(buf[starts[r]:starts[r] + counts[r]],
                                    send[estarts[r]:estarts[r] + enc[r]])
         phases.span("COMPRESS")
         mine, c = enc[me], counts[me]
-        recv = np.empty(mine * p, np.uint8)
+        recv = xp.empty(mine * p, np.uint8)
         comm.alltoallv(send, enc, recv, [mine] * p)
         phases.start()
-        acc = np.zeros(c, np.float32)
+        acc = xp.zeros(c, np.float32)
         for s in range(p):
             self.codec.decode_into(recv[s * mine:(s + 1) * mine], c, acc, True)
-        own = np.empty(mine, np.uint8)
+        own = xp.empty(mine, np.uint8)
         self.codec.encode_into(acc, own)
         phases.span("DECOMPRESS_ACCUMULATE_RECOMPRESS")
         comm.allgatherv(own, send, enc)

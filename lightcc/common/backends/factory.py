@@ -1,0 +1,126 @@
+"""The one place that picks a process set's device backend and builds its communicators.
+
+Host arrays always use the set's MPI communicators. Device arrays use the communicators made
+here, once per process set, when its first device bucket executes (every member executes that
+bucket at the same point, so making communicators there is collective-safe):
+
+* ``LCC_BACKEND=nccl``: NCCL (through CuPy) on every member; an error on every member if any
+  of them lacks CuPy, NCCL or a GPU;
+* ``LCC_BACKEND=mpi``: the set's MPI communicators, staged through pinned host memory
+  (:mod:`.staged`);
+* ``LCC_BACKEND=auto`` (default): NCCL when every member has it, else MPI staging. The members
+  agree (one MPI allreduce of a flag), so a set never mixes backends.
+
+The result, :class:`DeviceComms`, also holds the GPU and the engine's CUDA stream on it.
+Importing this module does not import CuPy.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ..exceptions import LightCCError
+from ..kernels import cuda as kc
+from ..topology import Topology
+from .staged import PinnedBuffer, StagedCommunicator
+
+log = logging.getLogger("lightcc")
+
+
+@dataclass
+class DeviceComms:
+    """A process set's device side on this rank (see module docstring).
+
+    ``topo`` has the device communicators (world/local/cross; one object may serve several
+    roles); ``stream`` is the engine's non-blocking stream on ``device``; ``pinned`` the host
+    buffer of ``LCC_CPU_REDUCE``.
+    """
+
+    device: int
+    backend: str
+    topo: Topology
+    stream: Any
+    pinned: PinnedBuffer = field(default_factory=PinnedBuffer)
+
+    def comms(self) -> list:
+        """Each distinct communicator once."""
+        out: list = []
+        for c in (self.topo.world, self.topo.local, self.topo.cross):
+            if all(c is not o for o in out):
+                out.append(c)
+        return out
+
+    def free(self) -> None:
+        self.pinned.release()
+        for c in self.comms():
+            c.free()
+
+
+def nccl_usable() -> bool:
+    """Whether CuPy, NCCL and a GPU are usable in this process."""
+    from .nccl import nccl_available
+
+    return nccl_available()
+
+
+def choose_backend(setting: str, host_world: Any) -> str:
+    """``"nccl"`` or ``"mpi"`` for ``setting`` (auto, nccl, mpi), agreed by all members.
+
+    Collective over ``host_world`` unless ``setting`` is ``mpi``.
+    """
+    if setting == "mpi":
+        return "mpi"
+    mine = nccl_usable()
+    flag = np.array([1 if mine else 0], np.uint8)
+    host_world.allreduce(flag, "min")
+    if flag[0]:
+        return "nccl"
+    if setting == "nccl":
+        where = "this rank" if not mine else "another rank of the process set"
+        raise LightCCError(f"LCC_BACKEND=nccl, but {where} has no usable NCCL (needs CuPy "
+                           f"with NCCL and a GPU: pip install cupy-cuda13x nvidia-nccl-cu13); "
+                           f"use LCC_BACKEND=auto or mpi to stage through host memory")
+    log.info("device arrays of process set %s use MPI through pinned host memory (NCCL not "
+             "usable on every rank)", host_world.name)
+    return "mpi"
+
+
+def default_device(host: Topology) -> int:
+    """The GPU of a rank that has not used one yet: local rank modulo the visible GPUs."""
+    count = kc.cupy_or_raise().cuda.runtime.getDeviceCount()
+    return host.local_rank % max(count, 1)
+
+
+def make_device_comms(host: Topology, setting: str, device: int | None) -> DeviceComms:
+    """Build the device communicators of a process set (collective over its members)."""
+    cupy = kc.cupy_or_raise()
+    backend = choose_backend(setting, host.world)
+    if device is None:
+        device = default_device(host)
+    with cupy.cuda.Device(device):
+        stream = cupy.cuda.Stream(non_blocking=True)
+        if backend == "nccl":
+            topo = _nccl_topology(host)
+        else:
+            topo = Topology(world=StagedCommunicator(host.world),
+                            local=StagedCommunicator(host.local),
+                            cross=StagedCommunicator(host.cross), node_of_rank=host.node_of_rank)
+    log.debug("rank %d: device communicators of %s on GPU %d over %s", host.rank,
+              host.world.name, device, backend)
+    return DeviceComms(device, backend, topo, stream)
+
+
+def _nccl_topology(host: Topology) -> Topology:
+    """NCCL communicators for world, local and cross; a role with the world's membership
+    reuses the world's communicator (one node: local; one rank per node: cross)."""
+    from .nccl import NCCLCommunicator
+
+    world = NCCLCommunicator.from_mpi(host.world, blocking=False)
+    local = world if host.local.size == host.size else \
+        NCCLCommunicator.from_mpi(host.local, blocking=False)
+    cross = world if host.cross.size == host.size else \
+        NCCLCommunicator.from_mpi(host.cross, blocking=False)
+    return Topology(world=world, local=local, cross=cross, node_of_rank=host.node_of_rank)
