@@ -159,17 +159,21 @@ def test_encoder_given_scales_saturates(variant):
     assert_bits_equal(out, ref_encode(x, name, exps, bs), _variant_id(variant))
 
 
-@pytest.mark.parametrize("name", list(fc.FORMATS))
-@pytest.mark.parametrize("par", [False, True], ids=["serial", "threads"])
+DECODERS = [(name, par, hw) for name in fc.FORMATS for par in (False, True)
+            for hw in ((True, False) if name in ("fp16", "e5m2") and ck.HW_F16 else (False,))]
+
+
+@pytest.mark.parametrize("variant", DECODERS, ids=_variant_id)
 @pytest.mark.parametrize("accumulate", [False, True], ids=["write", "accumulate"])
-def test_decoder_matches_reference(name, par, accumulate):
+def test_decoder_matches_reference(variant, accumulate):
     """Every code (NaN payloads too), unscaled and with scales up to 2**±126 (saturating)."""
+    name, par, hw = variant
     f = fc.FORMATS[name]
     every = np.arange(1 << f.nbits).astype(f.code_dtype)
     codes = np.concatenate([every, RNG.integers(0, 1 << f.nbits, 50_000).astype(f.code_dtype)])
     base = RNG.standard_normal(codes.size).astype(np.float32)
     base[::97] = [np.inf, -np.inf, np.nan, 3e38][0]
-    kernel = ck.decoder(f, par)
+    kernel = ck.decoder(f, par, hw)
     for bs, scales in [(codes.size, None), (3, fc.exps_to_scales(RNG.integers(-126, 127, -(-codes.size // 3))))]:
         out = base.copy()
         sb = fc._ONE if scales is None else scales.view(np.uint8)
@@ -203,18 +207,17 @@ def test_public_api_all_paths_agree(name, monkeypatch):
 
 
 def test_scale_exponents_in_kernel_match_numpy():
-    """The kernels' per-block exponent (float64 frexp in numba) equals scale_exponents."""
+    """The kernels' per-block exponent (integer, from the bits) equals scale_exponents."""
     amax = np.concatenate([
         _bits([1, 2, 0x007FFFFF, 0x00800000, 0x7F7FFFFF]),
         RNG.integers(1, 0x7F800000, 20_000, dtype=np.uint32).view(np.float32),
         (448.0 * np.exp2(RNG.integers(-140, 120, 2000))).astype(np.float32)])
     amax = amax[np.isfinite(amax) & (amax > 0)]
-    for name in ("e4m3", "e5m2"):
-        f = fc.FORMATS[name]
+    for f in fc.FORMATS.values():
         scales, out = np.empty(4 * amax.size, np.uint8), np.empty(amax.size, f.code_dtype)
         ck.encoder(f, False)(amax, 1, scales, True, out)
         want = fc.exps_to_scales(fc.scale_exponents(amax, f.max))
-        assert_bits_equal(scales.view(np.float32), want, name)
+        assert_bits_equal(scales.view(np.float32), want, f.name)
 
 
 @pytest.mark.parametrize("name", list(fc.FORMATS))

@@ -18,13 +18,12 @@ byte, so a scale needs no alignment in the payload.
 from __future__ import annotations
 
 import functools
-import math
 from typing import Any, Callable
 
 import numpy as np
 from numba import njit, prange
 
-from ._llvm import HW_F16, bits_f32, compile_kernel, f16_bits, f32_bits
+from ._llvm import HW_F16, bits_f32, compile_kernel, f16_bits, f16_value, f32_bits
 
 TILE = 1 << 16  # elements per parallel work item
 
@@ -32,7 +31,10 @@ U32 = np.uint32
 ABS = U32(0x7FFFFFFF)
 SIGN = U32(0x80000000)
 INF_BITS = U32(0x7F800000)
+QNAN_BITS = U32(0x7FC00000)
 BYTE = U32(0xFF)
+MANTISSA = U32(0x7FFFFF)
+MIN_NORMAL = U32(0x00800000)
 FLT_MAX = np.float32(3.4028234663852886e38)
 F32_INF = np.float32(np.inf)
 F32_NAN = np.float32(np.nan)   # the quiet NaN 0x7FC00000 (negated: 0xFFC00000)
@@ -57,13 +59,15 @@ def encode_constants(nbits: int, mbits: int, bias: int, maxcode: int, infcode: i
 
 
 def decode_constants(nbits: int, mbits: int, bias: int, infcode: int, nancode: int,
-                     has_inf: bool) -> tuple:
-    """Constants of :func:`value_of` for a format."""
+                     has_inf: bool, hw_shift: int | None) -> tuple:
+    """Constants of :func:`value_of` for a format (``hw_shift``: the code shifted left by it is
+    an IEEE half, converted by the F16C instruction; None: integer code)."""
     first_special = infcode if has_inf else nancode
     subnormal = bias != 127      # bf16 shares float32's exponent range: its bits are exact as is
-    return (U32(23 - mbits), U32((127 - bias) << 23), U32((128 - bias) << 23),
-            np.float32(2.0 ** (1 - bias)), U32((1 << mbits) if subnormal else 0),
-            U32((1 << (nbits - 1)) - 1), U32(first_special), bool(has_inf))
+    return (hw_shift is not None, U32(hw_shift or 0), U32(23 - mbits), U32((127 - bias) << 23),
+            U32((128 - bias) << 23), np.float32(2.0 ** (1 - bias)),
+            U32((1 << mbits) if subnormal else 0), U32((1 << (nbits - 1)) - 1),
+            U32(first_special), bool(has_inf))
 
 
 # --------------------------------------------------------------------------------------------
@@ -117,9 +121,13 @@ def value_of(c, K):  # pragma: no cover - compiled
     """float32 of the code ``c``, exactly, with integer operations: the code's bits moved into
     float32 position with the exponent re-biased; a subnormal code as (1 + m) minus 1 in the
     smallest normal binade, so no float32 subnormal is ever an operand (a thread that flushes
-    denormals gets the same value). Every NaN code gives the quiet NaN of its sign."""
-    sh, rebias, rebias1, one, minnorm, magmask, first_special, has_inf = K
+    denormals gets the same value); fp16 and E5M2 (the top byte of an fp16) with the F16C
+    conversion where the CPU has it. Every NaN code gives the quiet NaN of its sign."""
+    hw, hw_shift, sh, rebias, rebias1, one, minnorm, magmask, first_special, has_inf = K
     c = U32(c)
+    if hw:                        # sign and Inf come out of the conversion, NaN payloads go
+        q = f16_value(U32(c << hw_shift))
+        return q if q == q else bits_f32(U32(U32(f32_bits(q) & SIGN) | QNAN_BITS))
     mag = U32(c & magmask)
     m = U32(mag << sh)
     q = bits_f32(U32(m + rebias))
@@ -151,13 +159,17 @@ def amax_bits(x, lo, hi):  # pragma: no cover - compiled
 
 
 @njit(inline="always")
-def exponent_of(abits, fmax):  # pragma: no cover - compiled
-    """Smallest ``e`` with ``amax * 2**-e <= fmax`` (0 for amax 0), clipped to [-126, 126];
-    the same float64 arithmetic as ``floatcast.scale_exponents``."""
+def exponent_of(abits, fbits):  # pragma: no cover - compiled
+    """Smallest ``e`` with ``amax * 2**-e <= fmax`` (0 for amax 0), clipped to [-126, 126],
+    from the float32 bits of both (``fmax >= 1``): the difference of their exponents, plus one
+    where amax's mantissa is the larger. Exact, and equal to ``floatcast.scale_exponents``."""
     if abits == 0:
         return 0
-    mant, ex = math.frexp(np.float64(bits_f32(abits)) / fmax)
-    e = ex - 1 if mant == 0.5 else ex
+    if abits < MIN_NORMAL:        # a subnormal amax: 2**-126 is already more than enough
+        return -126
+    e = np.int64(abits >> U32(23)) - np.int64(fbits >> U32(23))
+    if U32(abits & MANTISSA) > U32(fbits & MANTISSA):
+        e += 1
     return min(max(e, -126), 126)
 
 
@@ -197,6 +209,8 @@ def segment(s, n, bs, per):  # pragma: no cover - compiled
 # kernel factories
 # --------------------------------------------------------------------------------------------
 def _encoder(K: tuple, fmax: float) -> Callable[..., Any]:
+    fbits = U32(int(np.float32(fmax).view(np.uint32)))
+
     def encode(x, bs, scales, auto, out):  # pragma: no cover - compiled
         """Codes of ``x`` per block of ``bs`` into ``out``; ``auto``: compute each block's scale
         from its largest magnitude and write it to ``scales``, else read it from there."""
@@ -209,17 +223,19 @@ def _encoder(K: tuple, fmax: float) -> Callable[..., Any]:
                 b, lo, hi = segment(s, n, bs, per)
                 part[s] = amax_bits(x, lo, hi)
             for b in range(nb):
-                put_scale(scales, b, exponent_of(part[b * per:(b + 1) * per].max(), fmax))
+                put_scale(scales, b, exponent_of(part[b * per:(b + 1) * per].max(), fbits))
         for s in prange(nb * per):
             b, lo, hi = segment(s, n, bs, per)
             if auto and per == 1:     # small blocks: scale and codes in one pass
-                put_scale(scales, b, exponent_of(amax_bits(x, lo, hi), fmax))
+                put_scale(scales, b, exponent_of(amax_bits(x, lo, hi), fbits))
             encode_range(x[lo:hi], inverse_scale(scales, b), K, out[lo:hi])
 
     return encode
 
 
-def _decoder(K: tuple) -> Callable[..., Any]:
+def _decoder(K: tuple, fmax: float) -> Callable[..., Any]:
+    fmax32 = np.float32(fmax)
+
     def decode(codes, bs, scales, accumulate, out):  # pragma: no cover - compiled
         """``out = value * scale`` per block of ``bs`` (``out +=`` when ``accumulate``)."""
         n = codes.size
@@ -229,15 +245,16 @@ def _decoder(K: tuple) -> Callable[..., Any]:
             b, lo, hi = segment(s, n, bs, per)
             sc = bits_f32(scale_bits(scales, b))
             cs, ys = codes[lo:hi], out[lo:hi]
-            if accumulate and sc == 1:        # unscaled: the values exactly, no range checks
-                for j in range(cs.size):
-                    ys[j] = ys[j] + value_of(cs[j], K)
+            if fmax32 * sc < F32_INF:         # no finite value can overflow: a plain multiply
+                if accumulate:
+                    for j in range(cs.size):
+                        ys[j] = ys[j] + value_of(cs[j], K) * sc
+                else:
+                    for j in range(cs.size):
+                        ys[j] = value_of(cs[j], K) * sc
             elif accumulate:
                 for j in range(cs.size):
                     ys[j] = ys[j] + scaled(value_of(cs[j], K), sc)
-            elif sc == 1:
-                for j in range(cs.size):
-                    ys[j] = value_of(cs[j], K)
             else:
                 for j in range(cs.size):
                     ys[j] = scaled(value_of(cs[j], K), sc)
@@ -278,15 +295,17 @@ def encoder(fmt: Any, parallel: bool, hw_f16: bool | None = None) -> Callable[..
     return kernel
 
 
-def decoder(fmt: Any, parallel: bool) -> Callable[..., Any]:
-    """Compiled decoder for ``fmt``."""
-    key = ("decode", fmt.name, parallel)
+def decoder(fmt: Any, parallel: bool, hw_f16: bool | None = None) -> Callable[..., Any]:
+    """Compiled decoder for ``fmt``; ``hw_f16`` None = fp16 and E5M2 through the F16C
+    conversion where the CPU can (:data:`HW_F16`)."""
+    key = ("decode", fmt.name, parallel, hw_f16)
     kernel = _KERNELS.get(key)
     if kernel is None:
+        hw = (HW_F16 if hw_f16 is None else hw_f16) and fmt.name in ("fp16", "e5m2")
         K = decode_constants(fmt.nbits, fmt.mbits, fmt.bias, fmt.infcode, fmt.nancode,
-                             fmt.infcode != fmt.nancode)
-        kernel = _KERNELS[key] = compile_kernel(
-            _decoder(K), f"decode_{fmt.name}{'_par' if parallel else ''}", parallel)
+                             fmt.infcode != fmt.nancode, (16 - fmt.nbits) if hw else None)
+        tag = f"decode_{fmt.name}{'_hw' if hw else ''}{'_par' if parallel else ''}"
+        kernel = _KERNELS[key] = compile_kernel(_decoder(K, fmt.max), tag, parallel)
     return kernel
 
 

@@ -4,8 +4,8 @@ numba widens every integer operation on ``uint32`` to 64 bits, which halves the 
 the casts; the kernels therefore wrap each step in ``np.uint32(...)`` and take their format
 parameters as compile-time constants, so LLVM narrows the arithmetic back to 32-bit lanes
 (8 per AVX2 register). The intrinsics here reinterpret bits (no conversion instructions) and
-convert to and from IEEE half precision with the CPU's own instruction (x86 F16C
-``vcvtps2ph``), which rounds to nearest even exactly as the integer code does.
+convert to and from IEEE half precision with the CPU's own instructions (x86 F16C
+``vcvtps2ph`` / ``vcvtph2ps``): they round to nearest even exactly as the integer code does.
 """
 from __future__ import annotations
 
@@ -79,6 +79,20 @@ def f16_bits(typingctx, x):  # pragma: no cover - compiled
     return types.uint32(types.float32), codegen
 
 
+@intrinsic
+def f16_value(typingctx, u):  # pragma: no cover - compiled
+    """float32 of the IEEE half whose bits are the low 16 of ``u`` (exact, also for
+    subnormals, whatever the thread's flush-to-zero mode). Only where :data:`HW_F16`."""
+    if u != types.uint32:
+        return None
+
+    def codegen(context, builder, sig, args):
+        half = builder.bitcast(builder.trunc(args[0], ir.IntType(16)), ir.HalfType())
+        return builder.fpext(half, ir.FloatType())
+
+    return types.float32(types.uint32), codegen
+
+
 def compile_kernel(fn: Callable[..., Any], name: str, parallel: bool) -> Callable[..., Any]:
     """``fn`` compiled with ``nogil=True`` (and ``parallel`` threads) under its own cache name.
 
@@ -94,4 +108,4 @@ def compile_kernel(fn: Callable[..., Any], name: str, parallel: bool) -> Callabl
     return njit(nogil=True, cache=True, parallel=parallel)(copy)
 
 
-__all__ = ["HW_F16", "bits_f32", "compile_kernel", "f16_bits", "f32_bits"]
+__all__ = ["HW_F16", "bits_f32", "compile_kernel", "f16_bits", "f16_value", "f32_bits"]
