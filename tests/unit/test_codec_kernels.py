@@ -238,3 +238,15 @@ def test_decode_ignores_flush_to_zero(name):
         normal = np.abs(want) >= np.finfo(np.float32).tiny
         got, want = got[normal | ~np.isfinite(want)], want[normal | ~np.isfinite(want)]
     assert_bits_equal(got, want, name)
+
+
+def test_every_kernel_releases_the_gil():
+    """The codecs and TopK kernels run beside the training thread: all compiled nogil."""
+    from lightcc.common.kernels import sparse
+
+    kernels = [ck.block_amax_kernel(par) for par in (False, True)]
+    kernels += [make(f, par) for f in fc.FORMATS.values() for par in (False, True)
+                for make in (ck.encoder, ck.decoder)]
+    kernels += [*sparse._COUNT.values(), sparse._GATHER, sparse._gather_upto,
+                sparse._above_then_ties, sparse._scatter_add]
+    assert all(k.targetoptions.get("nogil") for k in kernels)
