@@ -48,7 +48,8 @@ def edge_inputs(name: str) -> np.ndarray:
     special = np.concatenate([
         _bits([0, 1, 2, 0x007FFFFF, 0x00800000, 0x00800001, 0x7F7FFFFF, 0x7F800000,
                0x7F800001, 0x7FC00000, 0x7FC00001, 0x7FFFFFFF, 0x7FA00000]),
-        np.float32([top, fmax * 2, 1e30, 3.3e38, 1.0, 0.5, 2.0 ** -30, 2.0 ** -130])])
+        np.float32([top, min(fmax * 2, 3.4e38), 1e30, 3.3e38, 1.0, 0.5, 2.0 ** -30,
+                    2.0 ** -130])])
     rand = RNG.integers(0, 2 ** 32, 20_000, dtype=np.uint64).astype(np.uint32).view(np.float32)
     wide = (RNG.standard_normal(20_000) * 10.0 ** RNG.integers(-40, 38, 20_000)).astype(np.float32)
     pos = np.concatenate([near, special, np.abs(rand), np.abs(wide)])
