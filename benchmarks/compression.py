@@ -5,6 +5,10 @@ Run on 2 ranks::
     mpirun -np 2 python benchmarks/compression.py                 # 1-16 MB, < 2 minutes
     mpirun -np 2 python benchmarks/compression.py --max-mb 256    # the issue's full range
 
+or, one process, the codecs alone against torch's casts (``--codecs``; see :func:`codec_table`)::
+
+    python benchmarks/compression.py --codecs [--threads 1] [--reps 7]
+
 Prints one table on rank 0: per compressor and bucket size, the compress+decompress rate of
 this rank's kernels (GB/s of fp32 input, for the element formats also torch's own cast as
 reference), the compressed allreduce time (median of ``--reps``) and the bytes one rank sent
@@ -16,15 +20,91 @@ import argparse
 import time
 
 import numpy as np
-from mpi4py import MPI
 
 from lightcc.common import compression
-from lightcc.common.backends.mpi import MPICommunicator
 from lightcc.common.compression.base import BucketContext
 
 SPECS = ["fp16", "bf16", "fp8", "fp8:e4m3:block:256", "fp8_e5m2", "topk:0.01", "powersgd:2"]
 TORCH_DTYPES = {"fp16": "float16", "bf16": "bfloat16", "fp8": "float8_e4m3fn",
                 "fp8:e4m3:block:256": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
+
+
+def best_of(fns: list, reps: int) -> list[float]:
+    """Fastest seconds of each of ``fns`` over ``reps`` rounds after one warm-up; the functions
+    take turns within a round, so a busy spell on a shared machine slows all of them alike and
+    the minimum is the least disturbed run."""
+    for fn in fns:
+        fn()
+    out = [float("inf")] * len(fns)
+    for _ in range(reps):
+        for i, fn in enumerate(fns):
+            t0 = time.perf_counter()
+            fn()
+            out[i] = min(out[i], time.perf_counter() - t0)
+    return out
+
+
+#: ``--codecs`` rows: label, spec, torch dtype of the reference cast
+CODEC_ROWS = [("fp16", "fp16", "float16"), ("bf16", "bf16", "bfloat16"),
+              ("e4m3 bucket", "fp8", "float8_e4m3fn"),
+              ("e4m3 block256", "fp8:e4m3:block:256", "float8_e4m3fn"),
+              ("e5m2 bucket", "fp8_e5m2", "float8_e5m2"),
+              ("e5m2 block256", "fp8:e5m2:block:256", "float8_e5m2")]
+
+
+def codec_rates(spec: str, dtype_name: str, x: np.ndarray, reps: int) -> list[float]:
+    """GB/s of fp32 (input of encode, output of decode) for lightcc's codec and torch's cast:
+    encode, torch encode, decode, torch decode, decode+accumulate, torch accumulate."""
+    import torch
+
+    codec = compression.make(spec).codec
+    payload = np.empty(codec.nbytes(x.size), np.uint8)
+    out = np.zeros_like(x)
+    codec.encode_into(x, payload)
+    t, dt = torch.from_numpy(x), getattr(torch, dtype_name)
+    low, acc, tmp = t.to(dt), torch.from_numpy(out), torch.empty_like(t)
+    mixed = dt in (torch.float16, torch.bfloat16)   # add_ promotes these, not fp8
+
+    def torch_accumulate():
+        if mixed:
+            acc.add_(low)
+        else:
+            tmp.copy_(low)
+            acc.add_(tmp)
+    secs = []
+    for ours, theirs in [(lambda: codec.encode_into(x, payload), lambda: low.copy_(t)),
+                         (lambda: codec.decode_into(payload, x.size, out, False),
+                          lambda: tmp.copy_(low)),
+                         (lambda: codec.decode_into(payload, x.size, out, True),
+                          torch_accumulate)]:
+        secs += best_of([ours, theirs], reps)
+    return [x.nbytes / s / 1e9 for s in secs]
+
+
+def codec_table(sizes_m: list[int], reps: int, threads: int) -> None:
+    """Print the codec table: per row and size, lightcc vs torch GB/s and their ratio.
+
+    torch's reference is its plain cast into a preallocated tensor (``copy_``; fp8 without
+    scales, and torch turns finite overflow into Inf/NaN where lightcc saturates) and
+    ``acc.add_(low)`` (fp8: cast, then add) for the fused decode+accumulate of the two-phase
+    owner. ``threads`` sets both libraries' CPU threads.
+    """
+    import torch
+
+    from lightcc.common.kernels import _threads
+
+    torch.set_num_threads(threads)
+    _threads.configure(threads)
+    print(f"codec GB/s of fp32 data, {threads} thread(s), best of {reps}; x = lightcc / torch")
+    print(f"{'codec':14s} {'M':>3s} | {'enc':>6s} {'torch':>6s} {'x':>5s} | {'dec':>6s} "
+          f"{'torch':>6s} {'x':>5s} | {'dec+acc':>7s} {'torch':>6s} {'x':>5s}")
+    for m in sizes_m:
+        x = np.random.default_rng(m).standard_normal(m << 20).astype(np.float32)
+        for label, spec, dtype_name in CODEC_ROWS:
+            r = codec_rates(spec, dtype_name, x, reps)
+            print(f"{label:14s} {m:3d} | {r[0]:6.2f} {r[1]:6.2f} {r[0] / r[1]:5.2f} | "
+                  f"{r[2]:6.2f} {r[3]:6.2f} {r[2] / r[3]:5.2f} | {r[4]:7.2f} {r[5]:6.2f} "
+                  f"{r[4] / r[5]:5.2f}")
 
 
 def timed(fn, reps: int) -> float:
@@ -80,7 +160,19 @@ def main() -> None:
     ap.add_argument("--max-mb", type=float, default=16)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--specs", default=",".join(SPECS))
+    ap.add_argument("--codecs", action="store_true",
+                    help="one process: codec GB/s against torch's casts, no MPI")
+    ap.add_argument("--codec-sizes", default="1,4,16", help="M elements, comma separated")
+    ap.add_argument("--threads", type=int, default=1, help="CPU threads for --codecs")
     args = ap.parse_args()
+    if args.codecs:
+        codec_table([int(m) for m in args.codec_sizes.split(",")], max(args.reps, 9),
+                    args.threads)
+        return
+    from mpi4py import MPI
+
+    from lightcc.common.backends.mpi import MPICommunicator
+
     comm = MPICommunicator(MPI.COMM_WORLD.Dup(), "world")
     sizes, mb = [], args.min_mb
     while mb <= args.max_mb:

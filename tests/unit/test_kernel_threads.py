@@ -37,23 +37,47 @@ def test_codec_threads_default_divides_cores_among_host_ranks(monkeypatch):
 
 
 def test_kernel_launch_uses_codec_threads(monkeypatch):
-    """numba's thread count is per calling thread: every launch applies CODEC_THREADS."""
+    """numba's thread count is per calling thread: every launch that may use threads (arrays
+    of two tiles or more; smaller ones run the serial kernels) applies CODEC_THREADS."""
     import threading
 
     numba = pytest.importorskip("numba")
-    if numba.config.NUMBA_NUM_THREADS < 2:
-        pytest.skip("numba pool has one thread")
+    if numba.config.NUMBA_NUM_THREADS < 3:
+        pytest.skip("numba pool has fewer than 3 threads")
     from lightcc.common.kernels import _threads, floatcast as fc
 
-    monkeypatch.setattr(_threads, "CODEC_THREADS", 1)
+    monkeypatch.setattr(_threads, "CODEC_THREADS", 2)
     seen = []
 
     def launch():
         numba.set_num_threads(numba.config.NUMBA_NUM_THREADS)
-        fc.encode(np.ones(1000, np.float32), fc.FP16)
+        fc.encode(np.ones(2 * fc.TILE, np.float32), fc.FP16)
         seen.append(numba.get_num_threads())
 
     t = threading.Thread(target=launch)
     t.start()
     t.join()
-    assert seen == [1]
+    assert seen == [2]
+
+
+@pytest.mark.parametrize("threads,parallel", [(1, False), (2, True)])
+def test_one_codec_thread_runs_serial_kernels(monkeypatch, threads, parallel):
+    """With one codec thread the serial builds run (no numba pool, no OpenMP side effects);
+    with more, arrays of two tiles or more go to the threaded builds, smaller ones do not."""
+    numba = pytest.importorskip("numba")
+    if numba.config.NUMBA_NUM_THREADS < threads:
+        pytest.skip(f"numba pool has fewer than {threads} threads")
+    from lightcc.common.kernels import _castkernels, _threads, floatcast as fc
+
+    monkeypatch.setattr(_threads, "CODEC_THREADS", threads)
+    asked = []
+    real = _castkernels.encoder
+
+    def spy(fmt, par, hw=None):
+        asked.append(par)
+        return real(fmt, par, hw)
+
+    monkeypatch.setattr(fc, "encoder", spy)
+    fc.encode(np.ones(2 * fc.TILE, np.float32), fc.FP16)
+    fc.encode(np.ones(100, np.float32), fc.FP16)
+    assert asked == [parallel, False]

@@ -43,24 +43,26 @@ class FloatCodec:
         return 4 * self.nscales(n) + self.fmt.itemsize * n
 
     def encode_into(self, x: np.ndarray, out: np.ndarray) -> None:
+        """Scales (as float32 bytes) then codes of ``x`` into the uint8 payload ``out``."""
         if not isinstance(x, np.ndarray):      # a GPU buffer: the CUDA kernels, same bits
             return gpu.encode_into(self, x, out)
         n, ns = x.size, self.nscales(x.size)
         codes = out[4 * ns:].view(self.fmt.code_dtype)
         if ns == 0:
             fc.encode(x, self.fmt, out=codes)
-            return
-        bs = self._bs(n)
-        exps = fc.scale_exponents(fc.block_amax(x, bs), self.fmt.max)
-        out[:4 * ns] = fc.exps_to_scales(exps).view(np.uint8)
-        fc.encode(x, self.fmt, exps, bs, out=codes)
+        else:
+            fc.encode_scaled(x, self.fmt, self._bs(n), out[:4 * ns], codes)
 
     def decode_into(self, payload: np.ndarray, n: int, out: np.ndarray, accumulate: bool) -> None:
+        """Decode the payload of ``n`` elements into ``out`` (``out +=`` when ``accumulate``).
+
+        The scales are read from the payload's bytes where they lie (no alignment needed, no
+        copy)."""
         if not isinstance(out, np.ndarray):
             return gpu.decode_into(self, payload, n, out, accumulate)
         ns = self.nscales(n)
         codes = payload[4 * ns:].view(self.fmt.code_dtype)
-        scales = np.frombuffer(payload[:4 * ns].tobytes(), np.float32) if ns else None
+        scales = payload[:4 * ns] if ns else None
         fc.decode(codes, self.fmt, scales, self._bs(n), out=out, accumulate=accumulate)
 
 

@@ -23,6 +23,7 @@ collective scheme, with the codecs' CUDA kernels.
 from __future__ import annotations
 
 import time
+from collections import deque
 from typing import Any, Protocol
 
 import numpy as np
@@ -76,14 +77,52 @@ class Codec(Protocol):
                     accumulate: bool) -> None: ...
 
 
+class _Arena:
+    """A reusable byte buffer handed out in consecutive views (no allocation per piece)."""
+
+    def __init__(self, buf: np.ndarray, xp_name: str = "numpy") -> None:
+        self.buf, self.used, self.xp_name = buf, 0, xp_name
+
+    def take(self, nbytes: int) -> np.ndarray:
+        view = self.buf[self.used:self.used + nbytes]
+        self.used += nbytes
+        assert self.used <= self.buf.size, "arena sized too small"
+        return view
+
+
 class TwoPhaseCompressor:
-    """Reduce-scatter and allgather in a compressed element format (see module docstring)."""
+    """Reduce-scatter and allgather in a compressed element format (see module docstring).
+
+    Payload buffers come from one byte arena kept between calls (about twice the encoded
+    bucket), so a step allocates and page-faults nothing; the owner sums its chunk in fp32 in
+    place, in the region of ``buf`` its own copy was encoded from.
+    """
 
     lossy = True
 
     def __init__(self, name: str, codec: Codec) -> None:
         self.name = name
         self.codec = codec
+        self._spare: dict[str, Any] = {}       # the arenas' buffers between calls, per xp
+
+    def _arena(self, nbytes: int, xp: Any = np) -> _Arena:
+        """An arena of at least ``nbytes`` in ``xp``'s memory (NumPy or CuPy): the kept buffer,
+        or a new one (a concurrent call on the same compressor, or a larger bucket)."""
+        buf = self._spare.pop(xp.__name__, None)
+        if buf is None or buf.size < nbytes:
+            buf = xp.empty(nbytes, np.uint8)
+        return _Arena(buf, xp.__name__)
+
+    def _keep(self, arena: _Arena) -> None:
+        kept = self._spare.get(arena.xp_name)
+        if kept is None or kept.size < arena.buf.size:
+            self._spare[arena.xp_name] = arena.buf
+
+    def _sum_into(self, payloads: list[np.ndarray], n: int, acc: np.ndarray) -> None:
+        """``acc`` = the fp32 sum of the decoded payloads, in rank order, from zero."""
+        acc.fill(0.0)
+        for payload in payloads:
+            self.codec.decode_into(payload, n, acc, True)
 
     def allreduce(self, comm: Communicator, buf: np.ndarray, ctx: BucketContext) -> None:
         """Sum ``buf`` over ``comm`` in place (a single rank keeps ``buf`` exact)."""
@@ -100,21 +139,20 @@ class TwoPhaseCompressor:
         starts = displacements(counts)
         enc = [self.codec.nbytes(c) for c in counts]
         estarts = displacements(enc)
+        mine, c = enc[me], counts[me]
+        arena = self._arena(sum(enc) + mine * (p + 1), array_module(buf))
         phases = _Phases(comm, self.name)
-        xp = array_module(buf)
-        send = xp.empty(sum(enc), np.uint8)
+        send = arena.take(sum(enc))
         for r in range(p):
             self.codec.encode_into(buf[starts[r]:starts[r] + counts[r]],
                                    send[estarts[r]:estarts[r] + enc[r]])
         phases.span("COMPRESS")
-        mine, c = enc[me], counts[me]
-        recv = xp.empty(mine * p, np.uint8)
+        recv = arena.take(mine * p)
         comm.alltoallv(send, enc, recv, [mine] * p)
         phases.start()
-        acc = xp.zeros(c, np.float32)
-        for s in range(p):
-            self.codec.decode_into(recv[s * mine:(s + 1) * mine], c, acc, True)
-        own = xp.empty(mine, np.uint8)
+        acc = buf[starts[me]:starts[me] + c]      # encoded above: free to sum into
+        self._sum_into([recv[s * mine:(s + 1) * mine] for s in range(p)], c, acc)
+        own = arena.take(mine)
         self.codec.encode_into(acc, own)
         phases.span("DECOMPRESS_ACCUMULATE_RECOMPRESS")
         comm.allgatherv(own, send, enc)
@@ -123,80 +161,88 @@ class TwoPhaseCompressor:
             self.codec.decode_into(send[estarts[r]:estarts[r] + enc[r]], counts[r],
                                    buf[starts[r]:starts[r] + counts[r]], False)
         phases.span("DECOMPRESS")
+        self._keep(arena)
 
     def _pipelined(self, comm: Communicator, buf: np.ndarray, counts: list[int], k: int) -> None:
-        """Both phases per piece over point-to-point calls (see module docstring)."""
+        """Both phases per piece over point-to-point calls (see module docstring).
+
+        Every receive is posted first. Then, piece by piece: encode and send piece j of every
+        other rank's chunk, encode my own copy of my piece j, and between pieces sum, encode,
+        send and decode whichever of my pieces have all their copies. Then the same for the
+        rest of my pieces, and while none is complete, decode the sums of other ranks' pieces
+        that have arrived: work that feeds the wire goes first, the codecs run while it is busy.
+        """
         p, me, codec = comm.size, comm.rank, self.codec
         sizes, starts = sub_blocks(counts, k)
+        nb = [[codec.nbytes(n) for n in row] for row in sizes]
+        others = [(me + d) % p for d in range(1, p)]
+        # sends and receives of every piece once, plus p copies of my pieces and their sums
+        arena = self._arena(2 * sum(map(sum, nb)) + (p - 1) * sum(nb[me]))
         phases = _Phases(comm, self.name)
 
         def piece(r: int, j: int) -> np.ndarray:
             return buf[starts[r][j]:starts[r][j] + sizes[r][j]]
 
-        def encoded(x: np.ndarray) -> np.ndarray:
-            out = np.empty(codec.nbytes(x.size), np.uint8)
-            codec.encode_into(x, out)
-            return out
-
-        others = [(me + d) % p for d in range(1, p)]
-        # every receive is posted up front: phase 1 copies of my pieces (tag j), phase 2 sums of
-        # the other ranks' pieces (tag k + j)
-        inbox: dict[tuple[int, int], np.ndarray] = {}
-        phase1: list[list] = [[] for _ in range(k)]
-        phase2: list[tuple[int, int, object]] = []
+        # copies[j][s]: rank s's encoding of my piece j (mine encoded into slot me); tags j
+        copies = [[arena.take(nb[me][j]) for _ in range(p)] for j in range(k)]
+        phase1 = [[comm.irecv(copies[j][s], s, tag=j) for s in others] if sizes[me][j] else []
+                  for j in range(k)]
+        # sums of the other ranks' pieces (tags k + j), decoded in arrival order
+        phase2: deque = deque()
         for j in range(k):
-            if sizes[me][j]:
-                for s in others:
-                    b = inbox[s, j] = np.empty(codec.nbytes(sizes[me][j]), np.uint8)
-                    phase1[j].append(comm.irecv(b, s, tag=j))
             for r in others:
                 if sizes[r][j]:
-                    b = inbox[r, k + j] = np.empty(codec.nbytes(sizes[r][j]), np.uint8)
-                    phase2.append((r, j, comm.irecv(b, r, tag=k + j)))
+                    b = arena.take(nb[r][j])
+                    phase2.append((r, j, b, comm.irecv(b, r, tag=k + j)))
         sends: list = []
-        keep: list[np.ndarray] = []          # send buffers must live until their sends finish
-        own: list[np.ndarray | None] = [None] * k
         done = 0                              # my pieces summed and sent so far
 
         def finish_piece(j: int) -> None:
             n = sizes[me][j]
             if n:
-                acc = np.zeros(n, np.float32)
-                for s in range(p):
-                    codec.decode_into(own[j] if s == me else inbox[s, j], n, acc, True)
-                out = encoded(acc)
-                keep.append(out)
+                acc = piece(me, j)            # my copy is encoded: sum in place
+                self._sum_into(copies[j], n, acc)
+                out = arena.take(nb[me][j])
+                codec.encode_into(acc, out)
                 sends.extend(comm.isend(out, r, tag=k + j) for r in others)
-                codec.decode_into(out, n, piece(me, j), False)
-            own[j] = None
+                codec.decode_into(out, n, acc, False)
 
-        def ready(j: int) -> bool:
-            return all(req.test() for req in phase1[j])
+        def decode_next(block: bool) -> bool:
+            """Decode the next sum of another rank's piece if it has arrived (or wait for it)."""
+            if not phase2 or not (block or phase2[0][3].test()):
+                return False
+            r, j, b, req = phase2.popleft()
+            req.wait()
+            codec.decode_into(b, sizes[r][j], piece(r, j), False)
+            return True
 
         for j in range(k):
             for r in others:
                 if sizes[r][j]:
-                    e = encoded(piece(r, j))
-                    keep.append(e)
+                    e = arena.take(nb[r][j])
+                    codec.encode_into(piece(r, j), e)
                     sends.append(comm.isend(e, r, tag=j))
             if sizes[me][j]:
-                own[j] = encoded(piece(me, j))
-            while done <= j and ready(done):
+                codec.encode_into(piece(me, j), copies[j][me])
+            while done <= j and all(req.test() for req in phase1[done]):
                 finish_piece(done)
                 done += 1
         phases.span("COMPRESS_SEND")
         phases.start()
+        # what feeds the wire first (my sums), arrived results in between, else block
         while done < k:
-            for req in phase1[done]:
-                req.wait()
-            finish_piece(done)
-            done += 1
-        for r, j, req in phase2:
-            req.wait()
-            codec.decode_into(inbox[r, k + j], sizes[r][j], piece(r, j), False)
+            if all(req.test() for req in phase1[done]):
+                finish_piece(done)
+                done += 1
+            elif not decode_next(False):
+                for req in phase1[done]:
+                    req.wait()
+        while decode_next(True):
+            pass
         for req in sends:
             req.wait()
         phases.span("PIPELINED_ACCUMULATE_DECOMPRESS", pieces=k)
+        self._keep(arena)
 
     def rank_wire_bytes(self, numel: int, nranks: int, rank: int) -> int:
         """Bytes rank ``rank`` sends (alltoall to the others + allgather of its chunk)."""

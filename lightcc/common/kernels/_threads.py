@@ -4,10 +4,11 @@ numba's ``omp`` threading layer (the default where libgomp is present, as with t
 wheels) sets the calling thread's OpenMP thread count to numba's when a parallel kernel
 launches. torch reads the same setting, so a training script that had called
 ``torch.set_num_threads(1)`` found torch running 2 threads after its first compressed
-allreduce, and its reductions stopped being reproducible. Every public kernel entry point
-restores torch's thread count after the launch (one cheap check when torch is not loaded).
+allreduce, and its reductions stopped being reproducible. Every kernel launch that may use
+threads runs inside :func:`threaded_launch`, which restores torch's thread count afterwards.
+Launches on arrays under two tiles run the serial kernels (no thread pool, nothing to restore).
 
-The same wrapper sizes numba's thread pool. By default numba starts one thread per core in
+The same context sizes numba's thread pool. By default numba starts one thread per core in
 *every* process, so with several ranks on one machine each rank's kernels ran as many threads
 as there are cores, on top of the other ranks' communication: on a 2-core machine the pipelined
 fp16 allreduce took 2.06 s for 64 MB instead of 0.29 s. ``init()`` calls :func:`configure`
@@ -17,12 +18,10 @@ at each launch; a cheap comparison when it is already right).
 """
 from __future__ import annotations
 
-import functools
+import contextlib
 import os
 import sys
-from typing import Any, Callable, TypeVar
-
-F = TypeVar("F", bound=Callable[..., Any])
+from typing import Any, Iterator
 
 #: Threads each kernel launch uses (0 = leave numba's own setting); see :func:`configure`.
 CODEC_THREADS = 0
@@ -51,6 +50,17 @@ def configure(threads: int, ranks_on_host: int = 1) -> int:
     return CODEC_THREADS
 
 
+def codec_threads() -> int:
+    """Threads a kernel launch may use: :data:`CODEC_THREADS`, or numba's count when unset.
+
+    Kernels run their serial build (no thread pool at all) when this is 1.
+    """
+    if CODEC_THREADS > 0:
+        return CODEC_THREADS
+    numba = sys.modules.get("numba")
+    return int(numba.get_num_threads()) if numba is not None else 1
+
+
 def _numba() -> Any:
     try:
         import numba
@@ -66,20 +76,21 @@ def _size_pool() -> None:
             numba.set_num_threads(CODEC_THREADS)
 
 
-def keeps_torch_threads(fn: F) -> F:
-    """Run ``fn``; afterwards restore torch's thread count if the kernel changed it."""
-
-    @functools.wraps(fn)
-    def inner(*args: Any, **kwargs: Any) -> Any:
+@contextlib.contextmanager
+def threaded_launch() -> Iterator[int]:
+    """Around a kernel launch that may use threads: gives the codec thread count (numba's pool
+    sized to it), afterwards restores torch's thread count if numba changed it. torch's count
+    is read first: merely asking numba for its thread count starts its pool, which already
+    resets OpenMP's setting. With one codec thread numba's pool is never started; serial
+    launches of small arrays skip this altogether (~3 µs)."""
+    if CODEC_THREADS == 1:
+        yield 1
+        return
+    torch = sys.modules.get("torch")
+    before = torch.get_num_threads() if torch is not None else 0
+    try:
         _size_pool()
-        torch = sys.modules.get("torch")
-        if torch is None:
-            return fn(*args, **kwargs)
-        before = torch.get_num_threads()
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            if torch.get_num_threads() != before:
-                torch.set_num_threads(before)
-
-    return inner  # type: ignore[return-value]
+        yield codec_threads()
+    finally:
+        if torch is not None and torch.get_num_threads() != before:
+            torch.set_num_threads(before)

@@ -1,33 +1,37 @@
 """fp32 <-> fp16 / bf16 / fp8 (E4M3, E5M2) casts with power-of-two block scales.
 
-Encoding works on the float32 bit pattern with integer arithmetic only: round to nearest even,
+Semantics (the wire contract; every path below gives the same bits): round to nearest even;
 **saturate** finite values at the format's largest finite value (never Inf/NaN from finite
-input), keep NaN as NaN and ±Inf as ±Inf (E4M3 has no infinity: ±Inf becomes NaN there).
-A scale ``2**e`` per block is applied by shifting the exponent, so scaling is exact; the
-decoder is a lookup table times the scale. With numba the kernels run in parallel threads; the
-NumPy fallback gives the same bits, slower.
+input); NaN stays NaN (the format's canonical NaN code with the input's sign; decoded, the
+quiet float32 NaN of that sign) and ±Inf stays ±Inf (E4M3 has no infinity: ±Inf becomes
+NaN). A scale ``2**e`` per block multiplies exactly; decoded values scaled past the float32
+range saturate at ±FLT_MAX.
 
-Measured on the 2-core dev box, 25 M floats (ms): numpy fp16 cast 43, torch fp16 50,
-torch e4m3 27 (but it saturates ±Inf to 448), ml_dtypes e4m3 165 (NaN on overflow); see
-benchmarks/compression.py for the numba kernels' rates.
+The numba kernels (``_castkernels.py``) work on the float32 bit pattern in 32-bit SIMD lanes;
+fp16 encodes with the CPU's conversion instruction where it has one (x86 F16C). They release
+the GIL and run serially unless more than one codec thread is configured
+(``LCC_CODEC_THREADS``). Single-threaded they run at about torch's own cast speed (``python
+benchmarks/compression.py --codecs``; docs/compression.md, "Codec speed"). The NumPy fallback
+gives the same bits, slower. The kernels assume the default floating-point environment on the
+encoding side (as the earlier kernels and torch's cast do); decoding uses integer operations
+only up to the scale, so a thread that flushes denormals decodes the same values.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any, Callable
 
 import numpy as np
 
-from ._threads import keeps_torch_threads
+from ._threads import threaded_launch
 
-try:  # numba is optional: the NumPy fallback below produces identical bits
-    import numba
-    from numba import njit, prange
+try:  # numba is a dependency; the NumPy fallback below produces identical bits without it
+    from ._castkernels import TILE, block_amax_kernel, decoder, encoder
 
     HAVE_NUMBA = True
 except ImportError:  # pragma: no cover - exercised only without numba
     HAVE_NUMBA = False
-
-TILE = 1 << 16  # elements per parallel work item
+    TILE = 1 << 16
 
 
 @dataclass(frozen=True)
@@ -97,88 +101,6 @@ def scale_exponents(amax: np.ndarray, fmax: float) -> np.ndarray:
 
 
 # --------------------------------------------------------------------------------------------
-# numba kernels: branch-free (selects only) so LLVM vectorises the inner loops
-# --------------------------------------------------------------------------------------------
-if HAVE_NUMBA:
-    from llvmlite import ir
-    from numba.core import types
-    from numba.extending import intrinsic
-
-    @intrinsic
-    def _f32_bits(typingctx, x):  # pragma: no cover - compiled
-        """Reinterpret a float32 as int32."""
-        if x != types.float32:
-            return None
-
-        def codegen(context, builder, sig, args):
-            return builder.bitcast(args[0], ir.IntType(32))
-
-        return types.int32(types.float32), codegen
-
-    @njit(parallel=True, cache=True)
-    def _amax_blocks(x, bs, out):  # pragma: no cover - compiled
-        n = x.size
-        for b in prange(out.size):
-            m = np.float32(0.0)
-            for j in range(b * bs, min(n, (b + 1) * bs)):
-                a = abs(x[j])
-                a = a if a < np.inf else np.float32(0.0)   # NaN and Inf do not set the scale
-                m = max(m, a)
-            out[b] = m
-
-    @njit(inline="always", cache=True)
-    def _enc_seg(x, start, stop, inv, out, s, half, rebias, minnorm, cbits, cval,
-                 maxcode, infcode, nancode, signshift):  # pragma: no cover - compiled
-        for j in range(start, stop):
-            y = x[j] * inv
-            u = np.int64(_f32_bits(y)) & 0xFFFFFFFF
-            a = u & 0x7FFFFFFF
-            vn = ((a + half + ((a >> s) & 1)) >> s) - rebias      # RNE on the bit pattern
-            vs = (np.int64(_f32_bits(abs(y) + cval)) & 0xFFFFFFFF) - cbits   # subnormal units
-            v = vs if a < minnorm else vn
-            v = min(v, maxcode)
-            v = v if a < 0x7F800000 else (infcode if a == 0x7F800000 else nancode)
-            out[j] = v | (((u >> 31) & 1) << signshift)
-
-    @njit(parallel=True, cache=True)
-    def _encode_kernel(x, bs, invs, s, rebias, minnorm, cbits, cval, maxcode, infcode,
-                       nancode, signshift, out):  # pragma: no cover - compiled
-        n = x.size
-        half = (1 << (s - 1)) - 1
-        for t in prange((n + TILE - 1) // TILE):
-            j = t * TILE
-            stop = min(n, j + TILE)
-            while j < stop:
-                blk = j // bs
-                end = min(stop, (blk + 1) * bs)
-                _enc_seg(x, j, end, invs[blk], out, s, half, rebias, minnorm, cbits, cval,
-                         maxcode, infcode, nancode, signshift)
-                j = end
-
-    @njit(inline="always", cache=True)
-    def _dec_seg(codes, start, stop, sc, lut, accumulate, out):  # pragma: no cover
-        big = np.float32(3.4028234663852886e38)
-        for j in range(start, stop):
-            q = lut[codes[j]]
-            v = q * sc
-            ok = abs(v) < np.inf or abs(q) == np.inf or q != q
-            v = v if ok else (big if q > 0 else -big)       # scaled past FLT_MAX: saturate
-            out[j] = out[j] + v if accumulate else v
-
-    @njit(parallel=True, cache=True)
-    def _decode_kernel(codes, bs, scales, lut, accumulate, out):  # pragma: no cover
-        n = codes.size
-        for t in prange((n + TILE - 1) // TILE):
-            j = t * TILE
-            stop = min(n, j + TILE)
-            while j < stop:
-                blk = j // bs
-                end = min(stop, (blk + 1) * bs)
-                _dec_seg(codes, j, end, scales[blk], lut, accumulate, out)
-                j = end
-
-
-# --------------------------------------------------------------------------------------------
 # NumPy fallback (same bits)
 # --------------------------------------------------------------------------------------------
 def _encode_numpy(x: np.ndarray, bs: int, biases: np.ndarray, f: FloatFormat) -> np.ndarray:
@@ -186,7 +108,8 @@ def _encode_numpy(x: np.ndarray, bs: int, biases: np.ndarray, f: FloatFormat) ->
     blk_bias = np.repeat(biases, bs)[:n] if biases.size > 1 else np.full(n, biases[0])
     e = f.bias - blk_bias                                   # scale exponent per element
     with np.errstate(over="ignore", invalid="ignore"):
-        y = x.astype(np.float64) * np.exp2(-e.astype(np.float64))
+        # the product rounded to float32 as in the kernels (it matters for bf16's subnormals)
+        y = (x * np.exp2(-e.astype(np.float64)).astype(np.float32)).astype(np.float64)
         finite = np.isfinite(y)
         y = np.where(finite, np.clip(y, -f.max, f.max), y)
     # exact RNE by table search on the sorted finite non-negative codes
@@ -207,66 +130,114 @@ def _encode_numpy(x: np.ndarray, bs: int, biases: np.ndarray, f: FloatFormat) ->
 # --------------------------------------------------------------------------------------------
 # public entry points
 # --------------------------------------------------------------------------------------------
-@keeps_torch_threads
+_ONE = np.ones(1, np.float32).view(np.uint8)   # the scale 1.0 as wire bytes
+
+
+def _run(kernel_for: Callable[[bool], Callable[..., Any]], n: int, *args: Any) -> None:
+    """Run ``kernel_for(parallel)(*args)`` on ``n`` elements: the threaded build when there is
+    more than one codec thread and work for two, else the serial one (no thread pool at all)."""
+    if n < 2 * TILE:
+        kernel_for(False)(*args)
+        return
+    with threaded_launch() as threads:
+        kernel_for(threads > 1)(*args)
+
+
+def _scale_bytes(scales: np.ndarray) -> np.ndarray:
+    """Scales as the kernels read them: little-endian float32 bytes (uint8 passes through)."""
+    if scales.dtype == np.uint8:
+        return np.ascontiguousarray(scales)
+    return np.ascontiguousarray(scales, np.float32).view(np.uint8)
+
+
 def block_amax(x: np.ndarray, bs: int) -> np.ndarray:
     """Largest finite |x| per block of ``bs`` elements (float32; 0 for an all-non-finite block)."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
     nb = max(1, -(-x.size // bs))
     if x.size == 0:
         return np.zeros(nb, np.float32)
     if HAVE_NUMBA:
-        if nb == 1:  # one big block: parallelise over tiles, then combine
-            tiles = np.empty(-(-x.size // TILE), np.float32)
-            _amax_blocks(x, TILE, tiles)
-            return np.array([tiles.max()], np.float32)
-        out = np.empty(nb, np.float32)
-        _amax_blocks(x, bs, out)
-        return out
+        bits = np.empty(nb, np.uint32)
+        _run(block_amax_kernel, x.size, x, int(bs), bits)
+        return bits.view(np.float32)
     a = np.abs(x)
     a = np.where(np.isfinite(a), a, 0).astype(np.float32)
     a = np.concatenate([a, np.zeros(nb * bs - x.size, np.float32)])
     return a.reshape(nb, bs).max(axis=1)
 
 
-@keeps_torch_threads
 def encode(x: np.ndarray, f: FloatFormat, exps: np.ndarray | None = None, bs: int | None = None,
            out: np.ndarray | None = None) -> np.ndarray:
-    """Codes of ``x * 2**-exps[block]`` in format ``f`` (blocks of ``bs``; no scaling if None)."""
+    """Codes of ``x * 2**-exps[block]`` in format ``f`` (blocks of ``bs``; no scaling if None).
+
+    ``exps`` must lie in [-126, 126] (as :func:`scale_exponents` gives them). A few µs of
+    Python per call; about torch's own cast speed (see docs/compression.md, "Codec speed").
+    """
     x = np.ascontiguousarray(x, dtype=np.float32)
     n = x.size
-    if exps is None:
-        exps, bs = np.zeros(1, np.int64), max(n, 1)
     if out is None:
         out = np.empty(n, f.code_dtype)
     if n == 0:
         return out
-    if HAVE_NUMBA:
-        cval = np.float32(2.0 ** (1 - f.bias - f.mbits + 23))  # adding it rounds to subnormal units
-        minnorm = (128 - f.bias) << 23                        # bits of the smallest normal
-        invs = exps_to_scales(-np.asarray(exps, np.int64))
-        _encode_kernel(x, int(bs), invs, 23 - f.mbits, (127 - f.bias) << f.mbits, minnorm,
-                       int(cval.view(np.int32)), cval, f.maxcode, f.infcode, f.nancode,
-                       f.nbits - 1, out)
+    if exps is None:
+        scales, bs = _ONE, n
     else:
-        out[:] = _encode_numpy(x, int(bs), f.bias - np.asarray(exps, np.int64), f)
+        exps = np.asarray(exps, np.int64)
+        if exps.min() < -126 or exps.max() > 126:
+            raise ValueError(f"scale exponents must lie in [-126, 126], got "
+                             f"{exps.min()}..{exps.max()}")
+        scales = _scale_bytes(exps_to_scales(exps))
+    if HAVE_NUMBA:
+        _run(lambda par: encoder(f, par), n, x, int(bs), scales, False, out)
+    else:
+        exps = np.zeros(1, np.int64) if exps is None else exps
+        out[:] = _encode_numpy(x, int(bs), f.bias - exps, f)
     return out
 
 
-@keeps_torch_threads
+def encode_scaled(x: np.ndarray, f: FloatFormat, bs: int, scales_out: np.ndarray,
+                  out: np.ndarray) -> None:
+    """Codes of ``x`` with a power-of-two scale per block of ``bs`` elements, both computed here.
+
+    Each block's scale is :func:`scale_exponents` of its :func:`block_amax`; the scales are
+    written to ``scales_out`` as little-endian float32 bytes (uint8, 4 per block: the wire
+    format), the codes to ``out``. With numba one pass per block of up to 64 K elements (the
+    maximum, the scale and the codes while the block is in cache).
+    """
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    if x.size == 0:
+        return
+    if HAVE_NUMBA:
+        _run(lambda par: encoder(f, par), x.size, x, int(bs), scales_out, True, out)
+        return
+    exps = scale_exponents(block_amax(x, bs), f.max)
+    scales_out[:] = exps_to_scales(exps).view(np.uint8)
+    out[:] = _encode_numpy(x, int(bs), f.bias - exps, f)
+
+
 def decode(codes: np.ndarray, f: FloatFormat, scales: np.ndarray | None = None,
            bs: int | None = None, out: np.ndarray | None = None,
            accumulate: bool = False) -> np.ndarray:
-    """float32 of ``codes`` times ``scales[block]``; adds into ``out`` when ``accumulate``."""
+    """float32 of ``codes`` times ``scales[block]``; adds into ``out`` when ``accumulate``.
+
+    ``scales``: float32 per block of ``bs`` codes, or their bytes (uint8, little-endian float32,
+    as they travel on the wire and need no alignment); None = unscaled. Values scaled past the
+    float32 range saturate at ±FLT_MAX (their sum may still overflow to ±Inf). ``out += v``
+    is one pass (the two-phase owner's decode and fp32 accumulate).
+    """
     n = codes.size
     if out is None:
         out = np.zeros(n, np.float32)
     if n == 0:
         return out
     if scales is None:
-        scales, bs = np.ones(1, np.float32), n
-    scales = np.ascontiguousarray(scales, np.float32)
+        scales, bs = _ONE, n
     if HAVE_NUMBA:
-        _decode_kernel(codes, int(bs), scales, f.lut, bool(accumulate), out)
+        _run(lambda par: decoder(f, par), n, np.ascontiguousarray(codes), int(bs),
+             _scale_bytes(scales), bool(accumulate), out)
         return out
+    if scales.dtype == np.uint8:
+        scales = np.frombuffer(scales.tobytes(), np.float32)
     s = np.repeat(scales, bs)[:n] if scales.size > 1 else scales[0]
     q = f.lut[codes]
     with np.errstate(over="ignore", invalid="ignore"):
@@ -290,4 +261,5 @@ def bytes_per_element(f: FloatFormat) -> float:
 
 
 __all__ = ["BF16", "E4M3", "E5M2", "FORMATS", "FP16", "FloatFormat", "HAVE_NUMBA", "block_amax",
-           "bytes_per_element", "decode", "encode", "exps_to_scales", "scale_exponents"]
+           "bytes_per_element", "decode", "encode", "encode_scaled", "exps_to_scales",
+           "scale_exponents"]

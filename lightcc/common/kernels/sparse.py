@@ -14,35 +14,53 @@ from typing import Any
 
 import numpy as np
 
-from ._threads import keeps_torch_threads
+from ._threads import threaded_launch
 from .floatcast import HAVE_NUMBA, TILE
 
 if HAVE_NUMBA:
     from numba import njit, prange
 
-    @njit(parallel=True, cache=True)
+    from ._llvm import compile_kernel
+
     def _count_tiles(x, t, strict, counts):  # pragma: no cover - compiled
         """Per tile: elements with ``not |x| < t`` (``not |x| <= t`` if strict); NaN counts."""
         n = x.size
         for i in prange(counts.size):
+            xs = x[i * TILE:min(n, (i + 1) * TILE)]   # loops from 0 vectorise
             c = 0
-            for j in range(i * TILE, min(n, (i + 1) * TILE)):
-                a = abs(x[j])
-                below = a <= t if strict else a < t
-                c += 0 if below else 1
+            if strict:
+                for j in range(xs.size):
+                    c += 0 if abs(xs[j]) <= t else 1
+            else:
+                for j in range(xs.size):
+                    c += 0 if abs(xs[j]) < t else 1
             counts[i] = c
 
-    @njit(parallel=True, cache=True)
     def _gather_at_least(x, t, starts, out):  # pragma: no cover - compiled
+        """Indices of ``not |x| < t``, tile ``i``'s from ``out[starts[i]]`` on."""
         n = x.size
         for i in prange(starts.size):
+            lo = i * TILE
+            xs = x[lo:min(n, lo + TILE)]
             k = starts[i]
-            for j in range(i * TILE, min(n, (i + 1) * TILE)):
-                if not abs(x[j]) < t:
-                    out[k] = j
+            for j in range(xs.size):
+                if not abs(xs[j]) < t:
+                    out[k] = lo + j
                     k += 1
 
-    @njit(cache=True)
+    @njit(nogil=True, cache=True)
+    def _gather_upto(x, t, out):  # pragma: no cover - compiled
+        """Indices of ``not |x| < t`` into ``out`` as far as it holds them; returns how many
+        there are (one pass: the serial path needs no counting pass first)."""
+        k = 0
+        for j in range(x.size):
+            if not abs(x[j]) < t:
+                if k < out.size:
+                    out[k] = j
+                k += 1
+        return k
+
+    @njit(nogil=True, cache=True)
     def _above_then_ties(x, t, ties, out):  # pragma: no cover - compiled
         k = 0
         for j in range(x.size):
@@ -56,33 +74,45 @@ if HAVE_NUMBA:
                 ties -= 1
         return k
 
-    @njit(cache=True)
+    @njit(nogil=True, cache=True)
     def _scatter_add(idx, vals, out):  # pragma: no cover - compiled
         for j in range(idx.size):
             out[idx[j]] += vals[j]
+
+    _COUNT = {p: compile_kernel(_count_tiles, f"count_tiles{'_par' if p else ''}", p)
+              for p in (False, True)}
+    _GATHER = compile_kernel(_gather_at_least, "gather_at_least_par", True)
 
 _rng = np.random.default_rng(12345)
 SAMPLE = 1 << 15
 
 
-def _tile_counts(x: np.ndarray, t: np.float32, strict: bool) -> np.ndarray:
+def _tile_counts(x: np.ndarray, t: np.float32, strict: bool, parallel: bool) -> np.ndarray:
     """Per ``TILE`` of ``x``: elements with ``not |x| < t`` (``not |x| <= t`` if strict)."""
     counts = np.empty(-(-x.size // TILE), np.int64)
-    _count_tiles(x, t, strict, counts)
+    _COUNT[parallel](x, t, strict, counts)
     return counts
 
 
-def _candidates(x: np.ndarray, t: np.float32) -> np.ndarray:
-    """Indices (ascending, int64) of elements with ``not |x| < t``."""
+def _candidates(x: np.ndarray, t: np.float32, want: int) -> np.ndarray:
+    """Indices (ascending, int64) of elements with ``not |x| < t`` (about ``want`` expected)."""
     if not HAVE_NUMBA:
         with np.errstate(invalid="ignore"):
             return np.flatnonzero(~(np.abs(x) < t))
-    counts = _tile_counts(x, t, False)
-    starts = np.zeros_like(counts)
-    np.cumsum(counts[:-1], out=starts[1:])
-    out = np.empty(int(counts.sum()), np.int64)
-    _gather_at_least(x, t, starts, out)
-    return out
+    with threaded_launch() as threads:
+        if threads <= 1:          # one pass, a second only if the estimate was far too low
+            out = np.empty(2 * want + 64, np.int64)
+            got = _gather_upto(x, t, out)
+            if got > out.size:
+                out = np.empty(got, np.int64)
+                _gather_upto(x, t, out)
+            return out[:got]
+        counts = _tile_counts(x, t, False, True)
+        starts = np.zeros_like(counts)
+        np.cumsum(counts[:-1], out=starts[1:])
+        out = np.empty(int(counts.sum()), np.int64)
+        _GATHER(x, t, starts, out)
+        return out
 
 
 def _count_greater(x: np.ndarray, t: np.float32) -> int:
@@ -90,7 +120,8 @@ def _count_greater(x: np.ndarray, t: np.float32) -> int:
     if not HAVE_NUMBA:
         with np.errstate(invalid="ignore"):
             return int(np.count_nonzero(~(np.abs(x) <= t)))
-    return int(_tile_counts(x, t, True).sum())
+    with threaded_launch() as threads:
+        return int(_tile_counts(x, t, True, threads > 1).sum())
 
 
 def _with_ties(x: np.ndarray, t: np.float32, k: int, greater: int) -> np.ndarray:
@@ -131,7 +162,6 @@ def trivial_topk(n: int, k: int, xp: Any) -> tuple[int, Any]:
     return k, None
 
 
-@keeps_torch_threads
 def topk_indices(x: np.ndarray, k: int) -> np.ndarray:
     """Indices of the ``k`` largest ``|x|`` (exactly ``k``; ascending; int64)."""
     n = x.size
@@ -149,7 +179,7 @@ def topk_indices(x: np.ndarray, k: int) -> np.ndarray:
         if pos <= 0:
             break
         t = np.float32(sample[pos])
-        cand = _candidates(x, t)
+        cand = _candidates(x, t, int(want))
         if cand.size > 8 * k:
             # many elements tie at the threshold (e.g. zeros of a sparse gradient): if fewer
             # than k lie strictly above it, the k-th largest magnitude is t itself
@@ -164,7 +194,6 @@ def topk_indices(x: np.ndarray, k: int) -> np.ndarray:
     return _exact(x, np.arange(n, dtype=np.int64), k)
 
 
-@keeps_torch_threads
 def scatter_add(idx: np.ndarray, vals: np.ndarray, out: np.ndarray) -> None:
     """``out[idx[j]] += vals[j]`` in order of ``j`` (repeated indices add up)."""
     if HAVE_NUMBA:
