@@ -143,6 +143,14 @@ class Handle:
             self.device_done.consume()
         return self._result
 
+    def add_done_callback(self, fn: Any) -> None:
+        """Call ``fn(handle)`` once the handle completes, on the completing thread (at once,
+        on this thread, if it already has). ``fn`` must not block or wait for collectives."""
+        self._callbacks.append(fn)
+        if self._done and fn in self._callbacks:
+            self._callbacks.remove(fn)
+            fn(self)
+
     def _set(self, result: Any = None, error: BaseException | None = None) -> None:
         self._result, self._error = result, error
         self._done = True
@@ -201,6 +209,7 @@ class Engine:
         self._queued_at = 0.0                # when the oldest queued entry was queued
         self._urgent = False                 # the queue holds work lazy mode must not hold
         self._plans: dict[tuple, list[list[int]]] = {}   # see _plan()
+        self.missed_wakeups = 0              # background sleeps that ignored queued work
         self.listeners: list = []      # callables(event: str, **info), e.g. the autotuner
         self._thread = threading.Thread(target=self._run, name="lightcc-engine", daemon=True)
         self._thread.start()
@@ -361,10 +370,13 @@ class Engine:
                     sleep = 0.0 if self._drivers else \
                         self._step(MAX_WAIT_S, None, background=True)
                 if sleep > 0.0:          # blocks outside the progress lock, so a thread that
-                    try:                 # starts waiting on a handle can drive at once
+                    until = time.monotonic() + sleep   # starts waiting can drive at once
+                    try:
                         self._plane.wait(sleep)
                     finally:
                         self._bg_sleeping = False
+                    if self._urgent and time.monotonic() >= until:
+                        self.missed_wakeups += 1    # slept it out with work queued (a bug)
         except BaseException as exc:  # never die silently: fail everything that waits
             log.exception("lightcc background thread failed")
             with self._lock:
@@ -392,27 +404,41 @@ class Engine:
         progressed = self._flush_queue() if hold <= 0.0 else False
         if self.coordinator is not None:
             progressed |= self._coordinate()
-        timeout = 0.0 if progressed else wait
-        if timeout > 0.0:
-            if self.coordinator is not None:
-                timeout = min(timeout, self.coordinator.next_deadline())
-            if hold > 0.0:
-                timeout = min(timeout, hold)
-            if background:
-                self._bg_sleeping = True
-            else:
-                self._drv_sleeping = True
-            if (self._queue and hold <= 0.0) or self._stopping or \
-                    (handle is None and self._drivers) or \
-                    (handle is not None and handle._done):
-                timeout = 0.0
         if background:
-            frames = self._plane.poll(0.0)
-        else:
-            try:
-                frames = self._plane.poll(timeout)
-            finally:
-                self._drv_sleeping = False
+            # read what arrived first, and only then declare sleep: a wake byte sent after
+            # _bg_sleeping is set stays in the socket for the wait() that follows (reading
+            # after declaring lost it, and the thread slept MAX_WAIT_S with work queued)
+            progressed |= self._receive(self._plane.poll(0.0))
+            if progressed:
+                return 0.0
+            timeout = self._sleep_time(wait, hold)
+            self._bg_sleeping = True
+            if (self._queue and hold <= 0.0) or self._stopping or self._drivers:
+                self._bg_sleeping = False
+                return 0.0
+            return timeout
+        timeout = 0.0 if progressed else self._sleep_time(wait, hold)
+        if timeout > 0.0:
+            self._drv_sleeping = True          # submit() wakes this poll from here on
+            if self._queue or self._stopping or (handle is not None and handle._done):
+                timeout = 0.0
+        try:
+            frames = self._plane.poll(timeout)
+        finally:
+            self._drv_sleeping = False
+        self._receive(frames)
+        return 0.0
+
+    def _sleep_time(self, wait: float, hold: float) -> float:
+        """How long a step with nothing to do may block: ``wait``, or less for the
+        coordinator's next deadline (rank 0) or the end of a lazy hold."""
+        if self.coordinator is not None:
+            wait = min(wait, self.coordinator.next_deadline())
+        return min(wait, hold) if hold > 0.0 else wait
+
+    def _receive(self, frames: list[tuple[int, bytes]]) -> bool:
+        """Act on control frames (rank 0: requests; others: batches) and on closed peers."""
+        progressed = False
         if frames:
             progressed = True
             if self.coordinator is not None:
@@ -427,12 +453,8 @@ class Engine:
             self._peers_closed()
             progressed = True
         if frames and self.coordinator is not None:
-            progressed |= self._coordinate()
-        if progressed or not background:
-            if background:
-                self._bg_sleeping = False
-            return 0.0
-        return timeout
+            self._coordinate()
+        return progressed
 
     def _flush_queue(self) -> bool:
         """Tell the coordinator about new submissions (cache ids where possible)."""

@@ -40,6 +40,12 @@ def test_ordered_streams_unnamed_and_shared(np_, overlap):
     assert out.count("ordered ok") == np_, out
 
 
+@pytest.mark.parametrize("overlap", ["0", "1"])
+def test_background_thread_alone_completes_without_missed_wakeups(overlap):
+    out = run_mpi(2, [W + "background_only.py"], env={"LCC_OVERLAP": overlap}).stdout
+    assert out.count("background ok") == 2, out
+
+
 def test_stall_shutdown_is_finite_by_default():
     from lightcc.common import config
 
