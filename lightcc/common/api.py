@@ -37,6 +37,9 @@ Average = "average"
 Min = "min"
 Max = "max"
 Product = "prod"
+BitwiseAnd = "band"     # integer and bool tensors only
+BitwiseOr = "bor"
+BitwiseXor = "bxor"
 Adasum = "adasum"
 
 log = logging.getLogger("lightcc")
@@ -344,7 +347,8 @@ def _op(op: Any, default: str, what: str, dtype: str) -> str:
     if op == Adasum:
         raise InvalidArgumentError(f"{what}: Adasum is not supported by lightcc; use Average")
     if not isinstance(op, str):
-        raise InvalidArgumentError(f"{what}: op must be one of Sum, Average, Min, Max, Product")
+        raise InvalidArgumentError(f"{what}: op must be one of Sum, Average, Min, Max, Product, "
+                                   f"BitwiseAnd, BitwiseOr, BitwiseXor")
     dtypes.check_op(op, dtype, what)
     return op
 
@@ -619,14 +623,19 @@ def reducescatter(array: Any, op: str | None = None, name: str | None = None,
                                            postscale_factor, ordered=ordered))
 
 
-def barrier(process_set: Any = None, *, ordered: bool = False) -> None:
-    """Wait until every rank of the process set has called ``barrier``."""
+def barrier_async(process_set: Any = None, name: str | None = None, *,
+                  ordered: bool = False) -> Handle:
+    """Start a barrier; the handle completes once every rank of the process set has called it."""
     eng = _get()
     pset = _pset_id(process_set)
     eng.pset(pset)
-    nm, stream, label = _name(eng, Coll.BARRIER, None, pset, ordered)
-    synchronize(eng.submit(Request(Coll.BARRIER, nm, pset=pset), stream=stream, label=label,
-                           wake=False))
+    nm, stream, label = _name(eng, Coll.BARRIER, name, pset, ordered)
+    return eng.submit(Request(Coll.BARRIER, nm, pset=pset), stream=stream, label=label)
+
+
+def barrier(process_set: Any = None, *, ordered: bool = False) -> None:
+    """Wait until every rank of the process set has called ``barrier``."""
+    synchronize(barrier_async(process_set, ordered=ordered))
 
 
 def join() -> int:
