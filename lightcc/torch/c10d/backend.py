@@ -62,15 +62,14 @@ def create(opts: Any, pg_options: Any = None) -> ProcessGroupLightCC:
         pg = ProcessGroupLightCC(opts.group_rank, opts.group_size, api.global_process_set,
                                  timeout, make_comm(None), list(range(opts.group_size)))
         return pg
-    if not api.is_initialized():
-        raise LightCCError("new_group(backend='lightcc') needs lightcc initialized: call "
-                           "lightcc.init() (or init_process_group('lightcc')) first")
-    if sorted(members) != list(range(api.size())):
+    world = dist.get_world_size()
+    if sorted(members) != list(range(world)):
         raise LightCCError(
             f"new_group(ranks={members}, backend='lightcc') with a non-lightcc default group: "
             f"torch calls the backend on the group's members only, but a lightcc process set "
             f"is created by all ranks together. Use init_process_group('lightcc') (then every "
-            f"new_group works), or a group of all {api.size()} ranks")
+            f"new_group works), or a group of all {world} ranks")
+    _ensure_lightcc(dist.get_rank(), world)
     ps = api.add_process_set(api.ProcessSet(members))
     return ProcessGroupLightCC(opts.group_rank, opts.group_size, ps, timeout,
                                make_comm(None), members, owns_set=True)

@@ -22,8 +22,8 @@ import torch.distributed as dist
 
 from ...common import api
 from ...common.exceptions import InvalidArgumentError, LightCCError
-from .._tensor import stage
 from . import ops
+from .ops import stage
 from .futures import current_chain
 from .p2p import PointToPoint, free_comm
 from .work import GroupWork, LightCCWork

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from ...common.exceptions import InvalidArgumentError, LightCCError
-from .._tensor import stage
+from .ops import stage
 from .futures import LightCCFuture
 from .work import CollectiveTimeout, FutureWork, seconds
 
