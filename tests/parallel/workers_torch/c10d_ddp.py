@@ -124,6 +124,21 @@ def case_torch_hooks():
     same_everywhere(got, "fp16_compress_hook")
 
 
+def case_lightcc_hooks_on_gloo():
+    """lightcc's hooks on DDP over gloo: lightcc reduces the buckets beside gloo."""
+    from lightcc.torch import ddp_hooks
+
+    ref = train(None, "sgd", hook=default_hooks.fp16_compress_hook)
+    got = train(None, "sgd", hook=ddp_hooks.fp16_hook,
+                hook_state=ddp_hooks.HookState(ddp_hooks.Compression.fp16))
+    for i, (a, b) in enumerate(zip(got, ref)):
+        close(a, b, f"lightcc fp16_hook on gloo param {i}", atol=1e-3, rtol=1e-3)
+    same_everywhere(got, "lightcc fp16_hook on gloo")
+    got = train(None, "sgd", hook=ddp_hooks.topk_hook,
+                hook_state=ddp_hooks.HookState(ddp_hooks.Compression.topk(0.05)))
+    same_everywhere(got, "lightcc topk_hook on gloo")
+
+
 def case_powersgd_50_steps():
     state = psgd.PowerSGDState(process_group=LCC, matrix_approximation_rank=2,
                                start_powerSGD_iter=3, min_compression_rate=0.5,
@@ -136,7 +151,8 @@ def case_powersgd_50_steps():
 
 
 cases = [case_init, case_sgd, case_adam, case_find_unused_parameters, case_static_graph,
-         case_no_sync_accumulation, case_torch_hooks, case_powersgd_50_steps]
+         case_no_sync_accumulation, case_torch_hooks, case_lightcc_hooks_on_gloo,
+         case_powersgd_50_steps]
 if sys.argv[1:] == ["powersgd"]:
     cases = [case_init, case_powersgd_50_steps]
 run(cases)
