@@ -153,7 +153,8 @@ def _reduce(state: HookState, bucket: dist.GradBucket, family: str,
     def finish(_results: list) -> torch.Tensor:
         return st.finish()
 
-    work = LightCCWork(handles, finish, what, base, DEFAULT_TIMEOUT_S)
+    work = LightCCWork(handles, finish, what, base, DEFAULT_TIMEOUT_S,
+                       [buf.device] if buf.is_cuda else None)
     return work.get_future()
 
 

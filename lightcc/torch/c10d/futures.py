@@ -107,16 +107,17 @@ class LightCCFuture(torch.futures.Future):
     wait on it; Python callers (comm hooks) also chain ``then`` callbacks.
     """
 
-    def __init__(self, key: str) -> None:
-        super().__init__()
+    def __init__(self, key: str, devices: list | None = None) -> None:
+        super().__init__(devices=devices or None)
         self._key = key
+        self._devices = devices
         self._cb_lock = threading.Lock()
         self._finished = False
         self._pending: list[tuple[Callable, "LightCCFuture | None", str]] = []
         self._attached = 0
 
     def then(self, callback: Callable[["LightCCFuture"], Any]) -> "LightCCFuture":
-        child = LightCCFuture("")
+        child = LightCCFuture("", self._devices)
         child._key = self._attach(callback, child)
         return child
 

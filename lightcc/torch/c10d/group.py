@@ -132,8 +132,10 @@ class ProcessGroupLightCC(dist.ProcessGroup):
         return {"name": f"{self._uid}:{chain.next_name()}", "process_set": self._ps}
 
     def _work(self, handles: list[Any], finish: Callable[[list], Any], what: str, key: str,
-              opts: Any = None) -> LightCCWork:
-        work = LightCCWork(handles, finish, what, key, ops.timeout_of(opts, self._timeout))
+              opts: Any = None, outputs: Sequence[torch.Tensor] = ()) -> LightCCWork:
+        devices = sorted({t.device for t in outputs if t.device.type != "cpu"}, key=str)
+        work = LightCCWork(handles, finish, what, key, ops.timeout_of(opts, self._timeout),
+                           devices)
         if self._coalescing is not None:
             self._coalescing.append(work)
         return work
@@ -162,7 +164,7 @@ class ProcessGroupLightCC(dist.ProcessGroup):
         def finish(_results: list) -> list[torch.Tensor]:
             return [st.finish() for st in staged]
 
-        return self._work(handles, finish, what, key, opts)
+        return self._work(handles, finish, what, key, opts, tensors)
 
     def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> LightCCWork:
         opts = opts if opts is not None else dist.ReduceOptions()
@@ -176,7 +178,7 @@ class ProcessGroupLightCC(dist.ProcessGroup):
         mine = self._rank == root          # only the root's tensor receives the result
         h = api.allreduce_async(st.array, op, prescale_factor=pre,
                                 out=st.array if mine else None, **self._kw(route))
-        return self._work([h], lambda _r: [st.finish() if mine else t], what, key, opts)
+        return self._work([h], lambda _r: [st.finish() if mine else t], what, key, opts, [t])
 
     # ---- broadcast / gather family -----------------------------------------------------------
     def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> LightCCWork:
@@ -188,7 +190,7 @@ class ProcessGroupLightCC(dist.ProcessGroup):
         st = stage(t, what)
         key, route = self._route(what)
         h = api.broadcast_async(st.array, root, out=st.array, **self._kw(route))
-        return self._work([h], lambda _r: [st.finish()], what, key, opts)
+        return self._work([h], lambda _r: [st.finish()], what, key, opts, [t])
 
     def allgather(self, output_tensors: list[list[torch.Tensor]],
                   input_tensors: list[torch.Tensor], opts: Any = None) -> LightCCWork:
@@ -204,7 +206,7 @@ class ProcessGroupLightCC(dist.ProcessGroup):
             self._split_into(outs, results[0], what)
             return outs
 
-        return self._work([h], finish, what, key, opts)
+        return self._work([h], finish, what, key, opts, outs)
 
     def allgather_coalesced(self, output_lists: list[list[torch.Tensor]],
                             input_tensors: list[torch.Tensor], opts: Any = None) -> LightCCWork:
@@ -228,7 +230,7 @@ class ProcessGroupLightCC(dist.ProcessGroup):
             ops.copy_into(output, results[0])
             return output
 
-        return self._work([h], finish, what, key, opts)
+        return self._work([h], finish, what, key, opts, [output])
 
     _allgather_base = all_gather_single
 
@@ -260,7 +262,7 @@ class ProcessGroupLightCC(dist.ProcessGroup):
                 self._split_into(outs, results[0][0], what)
             return outs
 
-        return self._work([h], finish, what, key, opts)
+        return self._work([h], finish, what, key, opts, outs)
 
     def scatter(self, output_tensors: list[torch.Tensor],
                 input_tensors: list[list[torch.Tensor]], opts: Any = None) -> LightCCWork:
@@ -288,7 +290,7 @@ class ProcessGroupLightCC(dist.ProcessGroup):
             ops.copy_into(out, data)
             return [out]
 
-        return self._work([h], finish, what, key, opts)
+        return self._work([h], finish, what, key, opts, [out])
 
     # ---- reduce_scatter family ---------------------------------------------------------------
     def reduce_scatter(self, output_tensors: list[torch.Tensor],
@@ -328,7 +330,7 @@ class ProcessGroupLightCC(dist.ProcessGroup):
             ops.copy_into(out, results[0])
             return out
 
-        return self._work([h], finish, what, key, opts)
+        return self._work([h], finish, what, key, opts, [out])
 
     def reduce_scatter_single_coalesced(self, outputs: list[torch.Tensor],
                                         inputs: list[torch.Tensor],
@@ -374,7 +376,7 @@ class ProcessGroupLightCC(dist.ProcessGroup):
             ops.copy_into(output, data)
             return output
 
-        return self._work([h], finish, what, key, opts)
+        return self._work([h], finish, what, key, opts, [output])
 
     all_to_all_single = alltoall_base
 
@@ -397,7 +399,7 @@ class ProcessGroupLightCC(dist.ProcessGroup):
             self._split_into(outs, results[0][0], what)
             return outs
 
-        return self._work([h], finish, what, key, opts)
+        return self._work([h], finish, what, key, opts, outs)
 
     # ---- barrier, point-to-point, coalescing -------------------------------------------------
     def barrier(self, opts: Any = None) -> LightCCWork:

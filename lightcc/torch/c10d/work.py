@@ -10,8 +10,11 @@ crashes DDP, and only a Work subclass can make ``wait()`` raise.
 """
 from __future__ import annotations
 
+import heapq
+import itertools
 import threading
 import time
+import weakref
 from datetime import timedelta
 from typing import Any, Callable, Sequence
 
@@ -68,31 +71,45 @@ class FutureWork(dist.Work):
 
     Subclasses set ``_key``, ``_lock`` and ``_fut = None``, and define ``wait()`` and
     ``_future_value()``; by default the job blocks in ``wait()``, LightCCWork instead starts
-    it when its core handles complete.
+    it when its core handles complete. ``devices`` lists the CUDA devices of the future's
+    tensors (torch requires them on the future).
     """
 
     _key: str
     _lock: threading.Lock
     _fut: LightCCFuture | None
+    _fut_done = False
+    devices: list = []
 
     def get_future(self) -> LightCCFuture:
         with self._lock:
             if self._fut is not None:
                 return self._fut
-            fut = self._fut = LightCCFuture(self._key)
+            fut = self._fut = LightCCFuture(self._key, self.devices)
         self._schedule_future()
         return fut
 
     def _schedule_future(self) -> None:
         POOL.submit(self._key, self._complete_future)
 
-    def _complete_future(self) -> None:
+    def _outcome(self) -> BaseException | None:
+        """None on success, else the error (blocks until the work is done)."""
         try:
             self.wait()
         except BaseException as exc:  # noqa: BLE001 - the future carries it
-            self._fut.set_exception(exc)
-            return
-        self._fut.set_result(self._future_value())
+            return exc
+        return None
+
+    def _complete_future(self) -> None:
+        error = self._outcome()
+        with self._lock:
+            if self._fut_done:           # already failed by the watchdog
+                return
+            self._fut_done = True
+        if error is None:
+            self._fut.set_result(self._future_value())
+        else:
+            self._fut.set_exception(error)
 
     def _future_value(self) -> Any:
         raise NotImplementedError
@@ -102,8 +119,9 @@ class LightCCWork(FutureWork):
     """One torch collective over lightcc (see module docstring)."""
 
     def __init__(self, handles: Sequence[Any], finish: Callable[[list], Any], what: str,
-                 key: str, timeout: float) -> None:
+                 key: str, timeout: float, devices: list | None = None) -> None:
         super().__init__()
+        self.devices = devices or []
         self._handles = list(handles)
         self._finish = finish
         self._what = what
@@ -116,7 +134,8 @@ class LightCCWork(FutureWork):
 
     # ---- settling --------------------------------------------------------------------------
     def _settle(self) -> Any:
-        """Run ``finish`` once all handles are done; returns True or the exception."""
+        """Run ``finish`` once all handles are done (or return the error the watchdog set);
+        returns True or the exception."""
         with self._lock:
             if self._state is None:
                 try:
@@ -148,6 +167,22 @@ class LightCCWork(FutureWork):
     # ---- torch's Work interface ------------------------------------------------------------
     def _schedule_future(self) -> None:
         on_all_done(self._handles, lambda: POOL.submit(self._key, self._complete_future))
+        WATCHDOG.add(time.monotonic() + self._timeout, self)
+
+    def _outcome(self) -> BaseException | None:
+        state = self._settle()
+        return None if state is True else state
+
+    def _expire(self) -> None:
+        """Called by the watchdog at the deadline: fail the future if still pending."""
+        if self.is_completed():
+            return
+        with self._lock:
+            if self._state is None:
+                self._state = CollectiveTimeout(
+                    f"{self._what} did not complete within {self._timeout:g} s (a rank of "
+                    f"the group never called it, or called collectives in a different order)")
+        POOL.submit(self._key, self._complete_future)
 
     def _future_value(self) -> Any:
         return self._value
@@ -212,3 +247,58 @@ class GroupWork(FutureWork):
     def result(self) -> list:
         self.wait()
         return self._value()
+
+
+PRUNE_AT = 4096
+
+
+class _Watchdog:
+    """Fails the futures of collectives still pending at their group's timeout.
+
+    C++ callers (DDP's reducer) wait on futures without a deadline; this makes a collective
+    that some rank never issues end in a ``CollectiveTimeout`` instead of a silent hang.
+    One thread, a heap of (deadline, work); works are held weakly.
+    """
+
+    def __init__(self) -> None:
+        self._heap: list[tuple[float, int, Any]] = []
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._count = itertools.count()
+        self._thread: threading.Thread | None = None
+        self._prune_at = PRUNE_AT
+
+    def add(self, deadline: float, work: LightCCWork) -> None:
+        with self._lock:
+            if len(self._heap) > self._prune_at:     # drop finished works now and then
+                self._heap = [e for e in self._heap
+                              if (w := e[2]()) is not None and not w.is_completed()]
+                heapq.heapify(self._heap)
+                self._prune_at = max(PRUNE_AT, 2 * len(self._heap))
+            first = not self._heap or deadline < self._heap[0][0]
+            heapq.heappush(self._heap, (deadline, next(self._count), weakref.ref(work)))
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="lightcc-c10d-watchdog",
+                                                daemon=True)
+                self._thread.start()
+        if first:
+            self._wake.set()
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                wait = self._heap[0][0] - time.monotonic() if self._heap else None
+            if wait is None or wait > 0:
+                self._wake.wait(wait)
+                self._wake.clear()
+            now = time.monotonic()
+            expired = []
+            with self._lock:
+                while self._heap and self._heap[0][0] <= now:
+                    expired.append(heapq.heappop(self._heap)[2]())
+            for work in expired:
+                if work is not None:
+                    work._expire()
+
+
+WATCHDOG = _Watchdog()

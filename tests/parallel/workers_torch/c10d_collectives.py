@@ -241,7 +241,7 @@ def case_subgroups():
     dist.barrier()
 
 
-def case_point_to_point():
+def case_point_to_point_and_timeouts():
     nxt, prv = (R + 1) % N, (R - 1) % N
     got = torch.empty(4, dtype=torch.bfloat16)
     reqs = [dist.isend(torch.full((4,), float(R), dtype=torch.bfloat16), nxt, tag=3),
@@ -275,6 +275,13 @@ def case_point_to_point():
     elif R == 1:
         dist.send(torch.ones(3), 0, group=pg, tag=5)
         dist.send(torch.ones(1), 0, group=pg, tag=6)
+    dist.barrier()
+    # a collective the other ranks never issue: wait() and the future both time out
+    if R == 0:      # (pg's ordered stream is out of step on rank 0 afterwards: not used again)
+        work = dist.all_reduce(torch.ones(1), group=pg, async_op=True)
+        raises(lightcc.LightCCError, work.wait, "work.wait timeout", match="within 1 s")
+        raises(lightcc.LightCCError, work.get_future().wait, "future timeout (watchdog)",
+               match="within 1 s")
     dist.barrier()
 
 
@@ -325,4 +332,4 @@ def case_destroy():
 
 run([case_init_without_arguments, case_allreduce_ops_dtypes, case_numpy_api_bitwise,
      case_async_and_futures, case_broadcast_reduce, case_gathers, case_reduce_scatter_alltoall,
-     case_subgroups, case_point_to_point, case_mismatch_errors_every_rank, case_destroy])
+     case_subgroups, case_point_to_point_and_timeouts, case_mismatch_errors_every_rank, case_destroy])
