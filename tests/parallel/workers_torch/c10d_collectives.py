@@ -298,6 +298,9 @@ def case_mismatch_errors_every_rank():
     raises(lightcc.LightCCError, lambda: dist.all_gather_into_tensor(
         torch.empty(N * (2 if R == 0 else 3)), torch.ones(2 if R == 0 else 3)),
         "all_gather_into_tensor shape mismatch", match="shape")
+    # different collectives at the same position of the group's stream
+    raises(lightcc.LightCCError, lambda: dist.all_reduce(torch.ones(2)) if R == 0
+           else dist.broadcast(torch.ones(2), src=0), "collective type mismatch", match="")
     # local misuse raises at once on every rank, naming the collective and the option
     raises(lightcc.LightCCError, lambda: dist.all_reduce(torch.ones(2), op=dist.ReduceOp.BAND),
            "BAND on float", match="BAND")
