@@ -10,10 +10,10 @@ under ``lccrun``/``mpirun``)::
 or ``ddp_hooks.register(model, "topk")``. Each hook hands the bucket to lightcc's compressed
 allreduce (the engine's two-phase fp16/bf16/fp8 scheme, TopK's sparse allgather, PowerSGD's
 factor allreduces) on its background thread and returns a future that completes with the
-averaged bucket, identical bit for bit on every rank. Buckets are matched across ranks by a
-name built from ``HookState.name`` and the bucket index, which is also the key of the
-per-bucket error-feedback residuals (and PowerSGD factors): :meth:`HookState.state_dict`
-returns them for checkpoints.
+averaged bucket, identical bit for bit on every rank. Buckets go on the process set's ordered
+stream (DDP runs the hooks in bucket order on every rank) under a name built from
+``HookState.name`` and the bucket index, which keys the per-bucket error-feedback residuals
+(and PowerSGD factors): :meth:`HookState.state_dict` returns them for checkpoints.
 
 Wire cost per rank for a bucket of ``N`` float32 elements over ``n`` ranks (uncompressed ring:
 ``8 N (n-1)/n`` bytes): fp16/bf16 ``4 N (n-1)/n``; fp8 ``2 N (n-1)/n`` plus 4-byte scales;
@@ -94,7 +94,8 @@ class HookState:
         return int(self._wire(numel, n))
 
     def _engine_compressor(self) -> Any:
-        return api.engine().ctx.compressor(self.spec)
+        """The engine's compressor of this hook's process set (it holds the residuals)."""
+        return api.engine().group(self.process_set().process_set_id).compressor(self.spec)
 
     def state_dict(self) -> dict[str, Any]:
         """Error-feedback residuals (and PowerSGD factors) of this hook's buckets."""
@@ -146,8 +147,11 @@ def _reduce(state: HookState, bucket: dist.GradBucket, family: str,
             offset += p.numel()
     else:
         parts = [(base, flat)]
+    # on the process set's ordered stream: DDP runs the hooks in bucket order on every rank;
+    # the name labels the call and keys its error-feedback state
     handles = [api.allreduce_async(arr, api.Average, name=name, process_set=ps,
-                                   compression=state.spec, out=arr) for name, arr in parts]
+                                   compression=state.spec, out=arr, ordered=True)
+               for name, arr in parts]
     state.steps += 1
 
     def finish(_results: list) -> torch.Tensor:

@@ -10,11 +10,8 @@ crashes DDP, and only a Work subclass can make ``wait()`` raise.
 """
 from __future__ import annotations
 
-import heapq
-import itertools
 import threading
 import time
-import weakref
 from datetime import timedelta
 from typing import Any, Callable, Sequence
 
@@ -37,42 +34,15 @@ def seconds(timeout: Any, default: float) -> float:
     return float(timeout)
 
 
-def on_all_done(handles: Sequence[Any], fn: Callable[[], None]) -> None:
-    """Call ``fn()`` once, on the completing thread, when every core handle is done.
-
-    Uses the handles' completion callbacks (run by the engine's thread: keep ``fn`` cheap).
-    A handle may complete before its callback is added, so each is checked again after.
-    """
-    lock = threading.Lock()
-    left = [len(handles)]
-    seen: set[int] = set()
-
-    def one(h: Any) -> None:
-        with lock:
-            if id(h) in seen:
-                return
-            seen.add(id(h))
-            left[0] -= 1
-            last = left[0] == 0
-        if last:
-            fn()
-
-    if not handles:
-        fn()
-        return
-    for h in handles:
-        h._callbacks.append(one)
-        if h.done():
-            one(h)
-
-
 class FutureWork(dist.Work):
     """A Work whose future (made on the first ``get_future()``) is completed by a pool job.
 
-    Subclasses set ``_key``, ``_lock`` and ``_fut = None``, and define ``wait()`` and
-    ``_future_value()``; by default the job blocks in ``wait()``, LightCCWork instead starts
-    it when its core handles complete. ``devices`` lists the CUDA devices of the future's
-    tensors (torch requires them on the future).
+    The job blocks in ``wait()``: for collectives that makes a pool thread drive the engine
+    (lightcc's waiting threads make progress themselves, and its lazy mode starts collectives
+    when a thread waits for them), and it bounds the wait by the group's timeout, so a future
+    that C++ waits on without a deadline (DDP's reducer) still ends in an error. Subclasses
+    set ``_key``, ``_lock`` and ``_fut = None`` and define ``wait()`` and ``_future_value()``;
+    ``devices`` lists the CUDA devices of the future's tensors (torch requires them).
     """
 
     _key: str
@@ -103,7 +73,7 @@ class FutureWork(dist.Work):
     def _complete_future(self) -> None:
         error = self._outcome()
         with self._lock:
-            if self._fut_done:           # already failed by the watchdog
+            if self._fut_done:
                 return
             self._fut_done = True
         if error is None:
@@ -134,8 +104,7 @@ class LightCCWork(FutureWork):
 
     # ---- settling --------------------------------------------------------------------------
     def _settle(self) -> Any:
-        """Run ``finish`` once all handles are done (or return the error the watchdog set);
-        returns True or the exception."""
+        """Run ``finish`` once all handles are done; returns True or the exception."""
         with self._lock:
             if self._state is None:
                 try:
@@ -165,25 +134,6 @@ class LightCCWork(FutureWork):
         return True
 
     # ---- torch's Work interface ------------------------------------------------------------
-    def _schedule_future(self) -> None:
-        on_all_done(self._handles, lambda: POOL.submit(self._key, self._complete_future))
-        WATCHDOG.add(time.monotonic() + self._timeout, self)
-
-    def _outcome(self) -> BaseException | None:
-        state = self._settle()
-        return None if state is True else state
-
-    def _expire(self) -> None:
-        """Called by the watchdog at the deadline: fail the future if still pending."""
-        if self.is_completed():
-            return
-        with self._lock:
-            if self._state is None:
-                self._state = CollectiveTimeout(
-                    f"{self._what} did not complete within {self._timeout:g} s (a rank of "
-                    f"the group never called it, or called collectives in a different order)")
-        POOL.submit(self._key, self._complete_future)
-
     def _future_value(self) -> Any:
         return self._value
 
@@ -247,58 +197,3 @@ class GroupWork(FutureWork):
     def result(self) -> list:
         self.wait()
         return self._value()
-
-
-PRUNE_AT = 4096
-
-
-class _Watchdog:
-    """Fails the futures of collectives still pending at their group's timeout.
-
-    C++ callers (DDP's reducer) wait on futures without a deadline; this makes a collective
-    that some rank never issues end in a ``CollectiveTimeout`` instead of a silent hang.
-    One thread, a heap of (deadline, work); works are held weakly.
-    """
-
-    def __init__(self) -> None:
-        self._heap: list[tuple[float, int, Any]] = []
-        self._lock = threading.Lock()
-        self._wake = threading.Event()
-        self._count = itertools.count()
-        self._thread: threading.Thread | None = None
-        self._prune_at = PRUNE_AT
-
-    def add(self, deadline: float, work: LightCCWork) -> None:
-        with self._lock:
-            if len(self._heap) > self._prune_at:     # drop finished works now and then
-                self._heap = [e for e in self._heap
-                              if (w := e[2]()) is not None and not w.is_completed()]
-                heapq.heapify(self._heap)
-                self._prune_at = max(PRUNE_AT, 2 * len(self._heap))
-            first = not self._heap or deadline < self._heap[0][0]
-            heapq.heappush(self._heap, (deadline, next(self._count), weakref.ref(work)))
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="lightcc-c10d-watchdog",
-                                                daemon=True)
-                self._thread.start()
-        if first:
-            self._wake.set()
-
-    def _run(self) -> None:
-        while True:
-            with self._lock:
-                wait = self._heap[0][0] - time.monotonic() if self._heap else None
-            if wait is None or wait > 0:
-                self._wake.wait(wait)
-                self._wake.clear()
-            now = time.monotonic()
-            expired = []
-            with self._lock:
-                while self._heap and self._heap[0][0] <= now:
-                    expired.append(heapq.heappop(self._heap)[2]())
-            for work in expired:
-                if work is not None:
-                    work._expire()
-
-
-WATCHDOG = _Watchdog()
