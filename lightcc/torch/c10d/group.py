@@ -126,16 +126,24 @@ class ProcessGroupLightCC(DataMovement, dist.ProcessGroup):
             return f"{self._uid}.{seq}", {"ordered": True}
         return chain.key, {"chain": chain}
 
-    def _kw(self, route: dict[str, Any]) -> dict[str, Any]:
-        """Core keyword arguments for one core call of this collective."""
+    def _kw(self, route: dict[str, Any], opts: Any = None) -> dict[str, Any]:
+        """Core keyword arguments for one core call of this collective.
+
+        torch's blocking calls (``opts.asyncOp`` False) wait right after the call, and a
+        waiting thread drives lightcc itself, so they do not wake the background thread (a
+        wake costs a thread switch: about 2x the latency of a small allreduce).
+        """
+        wake = bool(getattr(opts, "asyncOp", True))
         chain = route.get("chain")
         if chain is None:     # the name only labels the call in errors and the timeline
-            return {"ordered": True, "name": self._label, "process_set": self._ps}
-        return {"name": f"{self._uid}:{chain.next_name()}", "process_set": self._ps}
+            return {"ordered": True, "name": self._label, "process_set": self._ps,
+                    "_wake": wake}
+        return {"name": f"{self._uid}:{chain.next_name()}", "process_set": self._ps,
+                "_wake": wake}
 
     def _work(self, handles: list[Any], finish: Callable[[list], Any], what: str, key: str,
               opts: Any = None, outputs: Sequence[torch.Tensor] = ()) -> LightCCWork:
-        devices = sorted({t.device for t in outputs if t.device.type != "cpu"}, key=str)
+        devices = sorted({t.device for t in outputs if t.is_cuda}, key=str)
         work = LightCCWork(handles, finish, what, key, ops.timeout_of(opts, self._timeout),
                            devices)
         if self._coalescing is not None:
@@ -160,7 +168,7 @@ class ProcessGroupLightCC(DataMovement, dist.ProcessGroup):
         prepared = [(st, *ops.reduce_op(opts.reduceOp, st.tensor.dtype, what)) for st in staged]
         key, route = self._route(what)
         handles = [api.allreduce_async(st.array, op, prescale_factor=pre, out=st.array,
-                                       **self._kw(route))
+                                       **self._kw(route, opts))
                    for st, op, pre in prepared]
 
         def finish(_results: list) -> list[torch.Tensor]:
@@ -179,7 +187,7 @@ class ProcessGroupLightCC(DataMovement, dist.ProcessGroup):
         key, route = self._route(what)
         mine = self._rank == root          # only the root's tensor receives the result
         h = api.allreduce_async(st.array, op, prescale_factor=pre,
-                                out=st.array if mine else None, **self._kw(route))
+                                out=st.array if mine else None, **self._kw(route, opts))
         return self._work([h], lambda _r: [st.finish() if mine else t], what, key, opts, [t])
 
     # ---- broadcast ---------------------------------------------------------------------------
@@ -191,14 +199,14 @@ class ProcessGroupLightCC(DataMovement, dist.ProcessGroup):
         root = ops.root(opts.rootRank, self._size, "rootRank", what)
         st = stage(t, what)
         key, route = self._route(what)
-        h = api.broadcast_async(st.array, root, out=st.array, **self._kw(route))
+        h = api.broadcast_async(st.array, root, out=st.array, **self._kw(route, opts))
         return self._work([h], lambda _r: [st.finish()], what, key, opts, [t])
 
     # ---- barrier, point-to-point, coalescing -------------------------------------------------
     def barrier(self, opts: Any = None) -> LightCCWork:
         what = self._what("barrier")
         key, route = self._route(what)
-        kw = self._kw(route)
+        kw = self._kw(route, opts)
         h = api.barrier_async(**kw)
         return self._work([h], lambda _r: [], what, key, opts)
 

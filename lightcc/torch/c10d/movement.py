@@ -32,7 +32,7 @@ class DataMovement:
         ops.same_dtype(outs, t.dtype, what)
         arr = ops.cpu_flat(t, what)
         key, route = self._route(what)
-        h = api.allgather_async(arr, **self._kw(route))
+        h = api.allgather_async(arr, **self._kw(route, opts))
 
         def finish(results: list) -> list[torch.Tensor]:
             self._split_into(outs, results[0], what)
@@ -56,7 +56,7 @@ class DataMovement:
                                        f"{input.dtype}")
         arr = ops.cpu_flat(input, what).reshape(1, -1)
         key, route = self._route(what)
-        h = api.allgather_async(arr, **self._kw(route))
+        h = api.allgather_async(arr, **self._kw(route, opts))
 
         def finish(results: list) -> torch.Tensor:
             ops.copy_into(output, results[0])
@@ -87,7 +87,7 @@ class DataMovement:
         splits = [0] * self._size
         splits[root] = arr.size                      # everyone sends only to the root
         key, route = self._route(what)
-        h = api.alltoall_async(arr, splits, **self._kw(route))
+        h = api.alltoall_async(arr, splits, **self._kw(route, opts))
 
         def finish(results: list) -> list[torch.Tensor]:
             if outs:
@@ -112,7 +112,7 @@ class DataMovement:
         else:
             arr = ops.cpu_flat(torch.empty(0, dtype=out.dtype), what)
         key, route = self._route(what)
-        h = api.alltoall_async(arr, splits, **self._kw(route))
+        h = api.alltoall_async(arr, splits, **self._kw(route, opts))
 
         def finish(results: list) -> list[torch.Tensor]:
             data = results[0][0]
@@ -156,7 +156,7 @@ class DataMovement:
                         what: str) -> LightCCWork:
         op, pre = ops.reduce_op(opts.reduceOp, out.dtype, what)
         key, route = self._route(what)
-        h = api.reducescatter_async(arr, op, prescale_factor=pre, **self._kw(route))
+        h = api.reducescatter_async(arr, op, prescale_factor=pre, **self._kw(route, opts))
 
         def finish(results: list) -> torch.Tensor:
             ops.copy_into(out, results[0])
@@ -194,7 +194,7 @@ class DataMovement:
         arr = ops.cpu_flat(input, what).reshape(rows, row)
         want = [int(s) for s in output_split_sizes or []]
         key, route = self._route(what)
-        h = api.alltoall_async(arr, splits, **self._kw(route))
+        h = api.alltoall_async(arr, splits, **self._kw(route, opts))
 
         def finish(results: list) -> torch.Tensor:
             data, got = results[0]
@@ -225,7 +225,7 @@ class DataMovement:
         parts = [ops.cpu_flat(x, what) for x in ins]
         key, route = self._route(what)
         h = api.alltoall_async(np.concatenate(parts), [p.size for p in parts],
-                               **self._kw(route))
+                               **self._kw(route, opts))
 
         def finish(results: list) -> list[torch.Tensor]:
             self._split_into(outs, results[0][0], what)

@@ -25,7 +25,7 @@ _NAMES = {v: k.name for k, v in _BASIC.items()}
 
 def reduce_op(op: Any, dtype: torch.dtype, what: str) -> tuple[str, float]:
     """(lightcc op, prescale factor) for a torch ``ReduceOp`` on tensors of ``dtype``."""
-    kind = op.op if isinstance(op, dist.ReduceOp) else op
+    kind = getattr(op, "op", op)            # a ReduceOp object, or a bare RedOpType
     if kind == _R.PREMUL_SUM:
         factor = op.factor
         if isinstance(factor, torch.Tensor):
@@ -92,6 +92,7 @@ _NP = {torch.uint8: np.uint8, torch.int8: np.int8, torch.int16: np.int16,
        torch.int32: np.int32, torch.int64: np.int64, torch.float16: np.float16,
        torch.float32: np.float32, torch.float64: np.float64, torch.bool: np.bool_,
        torch.bfloat16: dtypes.BFLOAT16}
+_NP = {k: np.dtype(v) for k, v in _NP.items()}
 
 
 def view(t: torch.Tensor) -> np.ndarray:
@@ -101,7 +102,7 @@ def view(t: torch.Tensor) -> np.ndarray:
     storage as never resizable again (DDP's bucket buffers are resized by torch's batched
     PowerSGD hook). The array keeps ``t`` alive, as ``numpy()`` does.
     """
-    dt = np.dtype(_NP[t.dtype])
+    dt = _NP[t.dtype]
     nbytes = t.numel() * dt.itemsize
     if nbytes == 0:
         return np.empty(tuple(t.shape), dt)
@@ -113,6 +114,9 @@ def view(t: torch.Tensor) -> np.ndarray:
 def stage(t: torch.Tensor, what: str) -> Staged:
     """``t`` for the core: a view when it is a contiguous CPU tensor, else a CPU copy that
     ``Staged.finish()`` writes back."""
+    if type(t) is torch.Tensor and t.dtype in _NP and t.layout == torch.strided \
+            and not t.is_cuda and t.is_contiguous():          # the common case, checked fast
+        return Staged(t, t, view(t), False)
     if not isinstance(t, torch.Tensor):
         raise TensorTypeError(f"{what}: expected a torch.Tensor, got {type(t).__name__}")
     check_dtype(t, what)
