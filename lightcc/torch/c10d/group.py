@@ -199,7 +199,8 @@ class ProcessGroupLightCC(DataMovement, dist.ProcessGroup):
         root = ops.root(opts.rootRank, self._size, "rootRank", what)
         st = stage(t, what)
         key, route = self._route(what)
-        h = api.broadcast_async(st.array, root, out=st.array, **self._kw(route, opts))
+        h = api.broadcast_async(st.array, self._world_ranks[root], out=st.array,   # global rank
+                                **self._kw(route, opts))
         return self._work([h], lambda _r: [st.finish()], what, key, opts, [t])
 
     # ---- barrier, point-to-point, coalescing -------------------------------------------------
