@@ -11,7 +11,10 @@ Columns (``--configs``, comma separated):
 - ``lightcc`` / ``lightcc:fp16`` / ``:bf16`` / ``:fp8`` / ``:topk``: ``lightcc.torch``'s
   ``DistributedOptimizer`` with that compressor;
 - ``ddp`` / ``ddp:fp16`` / ``ddp:bf16``: ``DistributedDataParallel`` on gloo, plain or with
-  torch's own ``fp16_compress_hook`` / ``bf16_compress_hook``.
+  torch's own ``fp16_compress_hook`` / ``bf16_compress_hook``;
+- ``ddp-lcc`` / ``ddp-lcc:fp16`` / ``:bf16`` / ``:fp8`` / ``:topk`` / ``:powersgd``:
+  ``DistributedDataParallel`` on the torch.distributed backend ``lightcc``, plain or with
+  that ``lightcc.torch.ddp_hooks`` hook.
 
 Models (``--models``): ``mlp`` (6 large tensors), ``resmlp`` (164 small tensors), ``cnn``
 (29 tensors, compute-bound); see benchmarks/models.py. Every rank trains the same model on
@@ -41,8 +44,10 @@ for p in (str(REPO), str(HERE)):
     if p not in sys.path:
         sys.path.insert(0, p)
 
-DEFAULT_CONFIGS = "lightcc,ddp"
-NETNS_CONFIGS = "lightcc,lightcc:fp16,lightcc:bf16,lightcc:fp8,lightcc:topk,ddp,ddp:fp16,ddp:bf16"
+DEFAULT_CONFIGS = "lightcc,ddp,ddp-lcc"
+NETNS_CONFIGS = ("lightcc,lightcc:fp16,lightcc:bf16,lightcc:fp8,lightcc:topk,ddp,ddp:fp16,"
+                 "ddp:bf16,ddp-lcc,ddp-lcc:fp16,ddp-lcc:topk")
+ENGINE_CONFIGS = ("lightcc", "ddp-lcc")      # columns that run lightcc's engine thread
 
 
 # ---- worker (runs on every rank under mpirun) -------------------------------------------------
@@ -82,6 +87,7 @@ class Worker:
                       torch.randint(0, 10, (args.batch_size,), generator=g)) for _ in range(8)]
         self._lcc = None
         self._ddp_ready = False
+        self._lcc_group = None
         self._keep: list = []   # DDP objects: freeing a Reducer can deadlock with gloo threads
 
     # -- frameworks -------------------------------------------------------------------------
@@ -101,6 +107,17 @@ class Worker:
             os.environ.setdefault("MASTER_PORT", str(self.args.port))
             dist.init_process_group("gloo", rank=self.rank, world_size=self.world)
             self._ddp_ready = True
+
+    def lightcc_group(self):
+        """A torch.distributed group of all ranks on the ``lightcc`` backend (made once)."""
+        import torch.distributed as dist
+
+        import lightcc.torch  # noqa: F401 - registers the backend
+
+        self._ddp_init()
+        if self._lcc_group is None:
+            self._lcc_group = dist.new_group(backend="lightcc")
+        return self._lcc_group
 
     def make(self, model_name: str, config: str):
         """(model, optimizer) for one column."""
@@ -134,6 +151,19 @@ class Worker:
             opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
             self._keep.append((model, opt))
             return model, opt
+        if framework == "ddp-lcc":
+            from lightcc.torch import ddp_hooks
+
+            group = self.lightcc_group()
+            model = torch.nn.parallel.DistributedDataParallel(model, process_group=group)
+            if option:
+                if option not in ddp_hooks.HOOKS:
+                    raise SystemExit(f"ddp-lcc:{option}: no such lightcc hook "
+                                     f"({', '.join(ddp_hooks.HOOKS)})")
+                ddp_hooks.register(model, option, process_group=group)
+            opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+            self._keep.append((model, opt))
+            return model, opt
         raise SystemExit(f"unknown framework in config {config!r}")
 
     def barrier(self) -> None:
@@ -145,7 +175,7 @@ class Worker:
 
         model, opt = self.make(model_name, config)
         args = self.args
-        tid = _engine_thread_id() if config.startswith("lightcc") else None
+        tid = _engine_thread_id() if config.startswith(ENGINE_CONFIGS) else None
         times: list[float] = []
         cpu0 = wall0 = 0.0
         for i in range(args.warmup + args.iters):
@@ -278,7 +308,7 @@ def table(rows: list[dict], configs: list[str], baselines: list[str], cpu: bool)
     pairs = [(c, b) for b in baselines for c in configs if c not in gloo]
     head = ["model"] + [f"{c} img/s" for c in configs] + [f"{c} / {b}" for c, b in pairs]
     if cpu:
-        head += [f"{c} engine CPU" for c in configs if c.startswith("lightcc")]
+        head += [f"{c} engine CPU" for c in configs if c.startswith(ENGINE_CONFIGS)]
     lines.append("| " + " | ".join(head) + " |")
     lines.append("|" + "---|" * len(head))
     for model in dict.fromkeys(r["model"] for r in rows):
@@ -293,7 +323,7 @@ def table(rows: list[dict], configs: list[str], baselines: list[str], cpu: bool)
             cells.append(f"{statistics.median(ratios):.2f}x" if ratios else "-")
         if cpu:
             for c in configs:
-                if c.startswith("lightcc"):
+                if c.startswith(ENGINE_CONFIGS):
                     vals = [r["engine_cpu"] for r in by_cfg[c]]
                     cells.append(f"{100 * statistics.median(vals):.0f} %" if vals else "-")
         lines.append("| " + " | ".join(cells) + " |")

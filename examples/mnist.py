@@ -81,16 +81,21 @@ def _download(data_dir: Path) -> None:
                 (data_dir / (stem + ".gz")).write_bytes(resp.read())
 
 
-def load_data(args: argparse.Namespace) -> tuple[TensorDataset, TensorDataset, str]:
-    """(train, test, description); MNIST when available, else the 8x8 digits fallback."""
+def load_data(args: argparse.Namespace, rank: int | None = None,
+              barrier=None) -> tuple[TensorDataset, TensorDataset, str]:
+    """(train, test, description); MNIST when available, else the 8x8 digits fallback.
+
+    ``rank`` and ``barrier`` default to lightcc's (other launchers pass torch.distributed's):
+    rank 0 downloads while the others wait.
+    """
     data_dir = Path(args.data_dir).expanduser()
     note = ""
-    if args.download and lcc.rank() == 0:
+    if args.download and (lcc.rank() if rank is None else rank) == 0:
         try:
             _download(data_dir)
         except OSError as exc:
             note = f"download failed ({exc.__class__.__name__}: {exc}); "
-    lcc.barrier()
+    (barrier or lcc.barrier)()
     paths = {k: _find(data_dir, stem) for k, stem in MNIST_FILES.items()}
     if all(paths.values()):
         arrays = {k: _read_idx(p) for k, p in paths.items()}

@@ -37,6 +37,9 @@ Average = "average"
 Min = "min"
 Max = "max"
 Product = "prod"
+BitwiseAnd = "band"     # integer and bool tensors only
+BitwiseOr = "bor"
+BitwiseXor = "bxor"
 Adasum = "adasum"
 
 log = logging.getLogger("lightcc")
@@ -344,7 +347,8 @@ def _op(op: Any, default: str, what: str, dtype: str) -> str:
     if op == Adasum:
         raise InvalidArgumentError(f"{what}: Adasum is not supported by lightcc; use Average")
     if not isinstance(op, str):
-        raise InvalidArgumentError(f"{what}: op must be one of Sum, Average, Min, Max, Product")
+        raise InvalidArgumentError(f"{what}: op must be one of Sum, Average, Min, Max, Product, "
+                                   f"BitwiseAnd, BitwiseOr, BitwiseXor")
     dtypes.check_op(op, dtype, what)
     return op
 
@@ -476,7 +480,7 @@ def grouped_allreduce(arrays: Sequence[Any], op: str | None = None, name: str | 
 
 
 def allgather_async(array: Any, name: str | None = None, process_set: Any = None, *,
-                    ordered: bool = False) -> Handle:
+                    ordered: bool = False, _wake: bool = True) -> Handle:
     """Start concatenating every rank's ``array`` along the first dimension (sizes may differ)."""
     eng = _get()
     arr = _as_array(array, "allgather")
@@ -490,17 +494,18 @@ def allgather_async(array: Any, name: str | None = None, process_set: Any = None
     req = Request(Coll.ALLGATHER, nm, dt, tuple(arr.shape), pset=pset)
     if type(arr) is DeviceTensor:
         req, _ = _on_device(req, arr, None, f"allgather '{nm}'")
-    return eng.submit(req, arr, stream=stream, label=label)
+    return eng.submit(req, arr, wake=_wake, stream=stream, label=label)
 
 
 def allgather(array: Any, name: str | None = None, process_set: Any = None, *,
               ordered: bool = False) -> np.ndarray:
-    return synchronize(allgather_async(array, name, process_set, ordered=ordered))
+    return synchronize(allgather_async(array, name, process_set, ordered=ordered,
+                                       _wake=False))
 
 
 def broadcast_async(array: Any, root_rank: int, name: str | None = None,
                     process_set: Any = None, out: np.ndarray | None = None, *,
-                    ordered: bool = False) -> Handle:
+                    ordered: bool = False, _wake: bool = True) -> Handle:
     """Start copying ``root_rank``'s ``array`` to every member of the process set.
 
     ``root_rank`` is a *global* rank (a member of the set), as in Horovod for every framework.
@@ -518,7 +523,7 @@ def broadcast_async(array: Any, root_rank: int, name: str | None = None,
         req, out = _on_device(req, arr, out, f"broadcast '{nm}'")
     else:
         _check_out(out, arr, f"broadcast '{nm}'")
-    return eng.submit(req, arr, out, stream=stream, label=label)
+    return eng.submit(req, arr, out, wake=_wake, stream=stream, label=label)
 
 
 def _root_index(root_rank: Any, members: Sequence[int], world_size: int, what: str) -> int:
@@ -543,11 +548,13 @@ def _root_index(root_rank: Any, members: Sequence[int], world_size: int, what: s
 
 def broadcast(array: Any, root_rank: int, name: str | None = None,
               process_set: Any = None, *, ordered: bool = False) -> np.ndarray:
-    return synchronize(broadcast_async(array, root_rank, name, process_set, ordered=ordered))
+    return synchronize(broadcast_async(array, root_rank, name, process_set, ordered=ordered,
+                                       _wake=False))
 
 
 def alltoall_async(array: Any, splits: Sequence[int] | None = None, name: str | None = None,
-                   process_set: Any = None, *, ordered: bool = False) -> Handle:
+                   process_set: Any = None, *, ordered: bool = False,
+                   _wake: bool = True) -> Handle:
     """Start an all-to-all: rows ``splits[r]`` of ``array`` go to rank r (even split if None).
 
     The result is ``(output, received_splits)`` when ``splits`` is given, else ``output``.
@@ -580,7 +587,7 @@ def alltoall_async(array: Any, splits: Sequence[int] | None = None, name: str | 
     req = Request(Coll.ALLTOALL, nm, dt, tuple(arr.shape), splits=split_list, pset=pset)
     if type(arr) is DeviceTensor:
         req, _ = _on_device(req, arr, None, what)
-    handle = eng.submit(req, arr, stream=stream, label=label)
+    handle = eng.submit(req, arr, wake=_wake, stream=stream, label=label)
     if splits is None:
         return _Derived(handle, lambda res: res[0])
     return handle
@@ -588,12 +595,14 @@ def alltoall_async(array: Any, splits: Sequence[int] | None = None, name: str | 
 
 def alltoall(array: Any, splits: Sequence[int] | None = None, name: str | None = None,
              process_set: Any = None, *, ordered: bool = False) -> Any:
-    return synchronize(alltoall_async(array, splits, name, process_set, ordered=ordered))
+    return synchronize(alltoall_async(array, splits, name, process_set, ordered=ordered,
+                                      _wake=False))
 
 
 def reducescatter_async(array: Any, op: str | None = None, name: str | None = None,
                         process_set: Any = None, prescale_factor: float = 1.0,
-                        postscale_factor: float = 1.0, *, ordered: bool = False) -> Handle:
+                        postscale_factor: float = 1.0, *, ordered: bool = False,
+                        _wake: bool = True) -> Handle:
     """Start reducing ``array`` and scattering its first dimension (earlier ranks get extra)."""
     eng = _get()
     arr = _as_array(array, "reducescatter")
@@ -609,24 +618,30 @@ def reducescatter_async(array: Any, op: str | None = None, name: str | None = No
     req = Request(Coll.REDUCESCATTER, nm, dt, tuple(arr.shape), op_, -1, pre, post, pset=pset)
     if type(arr) is DeviceTensor:
         req, _ = _on_device(req, arr, None, what)
-    return eng.submit(req, arr, stream=stream, label=label)
+    return eng.submit(req, arr, wake=_wake, stream=stream, label=label)
 
 
 def reducescatter(array: Any, op: str | None = None, name: str | None = None,
                   process_set: Any = None, prescale_factor: float = 1.0,
                   postscale_factor: float = 1.0, *, ordered: bool = False) -> np.ndarray:
     return synchronize(reducescatter_async(array, op, name, process_set, prescale_factor,
-                                           postscale_factor, ordered=ordered))
+                                           postscale_factor, ordered=ordered, _wake=False))
+
+
+def barrier_async(process_set: Any = None, name: str | None = None, *,
+                  ordered: bool = False, _wake: bool = True) -> Handle:
+    """Start a barrier; the handle completes once every rank of the process set has called it."""
+    eng = _get()
+    pset = _pset_id(process_set)
+    eng.pset(pset)
+    nm, stream, label = _name(eng, Coll.BARRIER, name, pset, ordered)
+    return eng.submit(Request(Coll.BARRIER, nm, pset=pset), wake=_wake, stream=stream,
+                      label=label)
 
 
 def barrier(process_set: Any = None, *, ordered: bool = False) -> None:
     """Wait until every rank of the process set has called ``barrier``."""
-    eng = _get()
-    pset = _pset_id(process_set)
-    eng.pset(pset)
-    nm, stream, label = _name(eng, Coll.BARRIER, None, pset, ordered)
-    synchronize(eng.submit(Request(Coll.BARRIER, nm, pset=pset), stream=stream, label=label,
-                           wake=False))
+    synchronize(barrier_async(process_set, ordered=ordered, _wake=False))
 
 
 def join() -> int:

@@ -1,7 +1,8 @@
 """Supported element types and how each is reduced.
 
 MPI has no float16/bfloat16 arithmetic, so those are reduced in a float32 buffer (fp32
-accumulation) and cast back; bool is reduced as uint8 with max (or) / min (and).
+accumulation) and cast back; bool is reduced as uint8 with max (or) / min (and). The bitwise
+ops (band, bor, bxor) apply to integer and bool tensors only.
 """
 from __future__ import annotations
 
@@ -25,7 +26,8 @@ if BFLOAT16 is not None:
 
 FLOATING = {"float16", "bfloat16", "float32", "float64"}
 INTEGER = {"uint8", "int8", "uint16", "int16", "int32", "int64"}
-OPS = ("sum", "average", "min", "max", "prod")
+OPS = ("sum", "average", "min", "max", "prod", "band", "bor", "bxor")
+BITWISE = ("band", "bor", "bxor")   # bitwise and / or / xor: integer and bool tensors only
 
 
 _NAME_CACHE: dict[np.dtype, str] = {}
@@ -62,7 +64,8 @@ def reduce_dtype(name: str) -> np.dtype:
 def backend_op(op: str, name: str) -> str:
     """The backend op for a user op ('average' is reduced as 'sum' then scaled)."""
     if name == "bool":
-        return {"sum": "max", "max": "max", "min": "min", "prod": "min"}[op]
+        return {"sum": "max", "max": "max", "min": "min", "prod": "min", "band": "band",
+                "bor": "bor", "bxor": "bxor"}[op]
     return "sum" if op == "average" else op
 
 
@@ -72,6 +75,9 @@ def check_op(op: str, name: str, what: str) -> None:
         raise InvalidArgumentError(f"{what}: unknown op {op!r}; use one of {', '.join(OPS)}")
     if name == "bool" and op == "average":
         raise UnsupportedDTypeError(f"{what}: Average is not defined for bool tensors")
+    if op in BITWISE and name not in INTEGER and name != "bool":
+        raise UnsupportedDTypeError(f"{what}: bitwise op {op!r} needs an integer or bool "
+                                    f"tensor, got {name}")
 
 
 def scale_integers(values: np.ndarray, factor: float, out: np.ndarray | None = None) -> np.ndarray:

@@ -6,7 +6,9 @@ If it raises or calls ``sys.exit`` with a non-zero code after MPI was initialise
 would block in ``MPI_Finalize`` while the other ranks wait in a collective; instead this
 wrapper prints the traceback, records the rank's exit status in ``$LCC_RUNNER_STATUS_DIR`` (when
 lccrun set it) and calls ``MPI_Abort`` with the exit code, so Open MPI ends every rank.
-A clean exit (code 0) is left alone.
+A clean exit (code 0) is left alone. It also exports torchrun's per-rank variables (``RANK``,
+``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``) from Open MPI's, so torchrun-style
+scripts run unchanged.
 
 Other programs run as ``python -I .../_rankwrap.py --exec program args`` (the file itself, so
 nothing but the standard library is imported): the program runs as a child process and a
@@ -34,6 +36,26 @@ def world_rank() -> int | None:
         if value is not None and value.isdigit():
             return int(value)
     return None
+
+
+# torchrun's per-rank variables, from Open MPI's (PMIx's as a fallback for the rank)
+_TORCH_VARS = {"RANK": ("OMPI_COMM_WORLD_RANK", "PMIX_RANK"),
+               "WORLD_SIZE": ("OMPI_COMM_WORLD_SIZE",),
+               "LOCAL_RANK": ("OMPI_COMM_WORLD_LOCAL_RANK",),
+               "LOCAL_WORLD_SIZE": ("OMPI_COMM_WORLD_LOCAL_SIZE",)}
+
+
+def export_torch_env(env: dict[str, str] | None = None) -> dict[str, str]:
+    """Set ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE`` from the MPI launch,
+    so scripts written for torchrun run unchanged (``MASTER_ADDR``/``MASTER_PORT`` come from
+    lccrun). Returns what was set; variables MPI does not provide are left alone."""
+    env = os.environ if env is None else env
+    done = {}
+    for name, sources in _TORCH_VARS.items():
+        value = next((env[s] for s in sources if env.get(s, "").isdigit()), None)
+        if value is not None:
+            env[name] = done[name] = value
+    return done
 
 
 def write_status(code: int, what: str, signum: int = 0) -> None:
@@ -159,6 +181,7 @@ def run_child(command: list[str]) -> int:
 
 def main(args: list[str] | None = None) -> int:
     args = sys.argv[1:] if args is None else args
+    export_torch_env()
     if args[:1] == ["--exec"] and len(args) > 1:
         return run_child(args[1:])
     if not args or (args[0] in ("-c", "-m") and len(args) < 2):

@@ -26,7 +26,8 @@ from .hosts import distinct_machines
 
 WRAPPER_MODULE = "lightcc.runner._rankwrap"
 STATUS_DIR_ENV = "LCC_RUNNER_STATUS_DIR"  # set for local ranks only, never forwarded with -x
-FORWARDED = ("PYTHONPATH", "PATH", "VIRTUAL_ENV", "LD_LIBRARY_PATH", "PYTHONUNBUFFERED")
+FORWARDED = ("PYTHONPATH", "PATH", "VIRTUAL_ENV", "LD_LIBRARY_PATH", "PYTHONUNBUFFERED",
+             "MASTER_ADDR", "MASTER_PORT")
 _PYTHON_RE = re.compile(r"^python(\d+(\.\d+)*)?$")
 _NUM_LINKS = next(k for k in KNOBS if k.env == "LCC_NUM_LINKS")
 
@@ -40,6 +41,7 @@ class Machine:
     euid: int = 0
     cores: int = 1
     python: str = sys.executable  # runs the rank wrapper around non-Python programs
+    master_port: int = 29500      # MASTER_PORT for torch's env:// rendezvous (a free port)
 
 
 @dataclass
@@ -123,7 +125,20 @@ def current_machine() -> Machine:
     except ValueError:
         major = 5
     return Machine(mpirun=mpirun, mpi_major=major,
-                   euid=os.geteuid() if hasattr(os, "geteuid") else 1, cores=physical_cores())
+                   euid=os.geteuid() if hasattr(os, "geteuid") else 1, cores=physical_cores(),
+                   master_port=free_port())
+
+
+def free_port() -> int:
+    """A TCP port free on this machine now (for MASTER_PORT; 29500 if none can be bound)."""
+    import socket
+
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind(("", 0))
+            return int(sock.getsockname()[1])
+    except OSError:
+        return 29500
 
 
 # ---------------------------------------------------------------- the user command
@@ -217,8 +232,14 @@ def _source_checkout_root() -> str | None:
     return str(pkg.parent)
 
 
-def rank_environment(spec: LaunchSpec, base: dict[str, str]) -> tuple[dict[str, str], dict[str, str]]:
-    """(full environment for mpirun, the variables lccrun set or changed)."""
+def rank_environment(spec: LaunchSpec, base: dict[str, str],
+                     master_port: int = 29500) -> tuple[dict[str, str], dict[str, str]]:
+    """(full environment for mpirun, the variables lccrun set or changed).
+
+    Besides ``LCC_*``, torch's rendezvous address: ``MASTER_ADDR`` (the first host, or
+    127.0.0.1 for a local run) and ``MASTER_PORT``, unless already set. The per-rank variables
+    (``RANK``, ``LOCAL_RANK``, ...) are set on each rank by the rank wrapper.
+    """
     env = dict(base)
     changed: dict[str, str] = {}
 
@@ -241,8 +262,20 @@ def rank_environment(spec: LaunchSpec, base: dict[str, str]) -> tuple[dict[str, 
         put("PYTHONPATH", os.pathsep.join([root, *paths]))
     if "PYTHONUNBUFFERED" not in env:
         put("PYTHONUNBUFFERED", "1")
+    if "MASTER_ADDR" not in env:
+        put("MASTER_ADDR", master_address(spec))
+    if "MASTER_PORT" not in env:
+        put("MASTER_PORT", str(master_port))
     env.pop(STATUS_DIR_ENV, None)
     return env, changed
+
+
+def master_address(spec: LaunchSpec) -> str:
+    """Where rank 0 runs: the first host of -H/--hostfile (127.0.0.1 for local names)."""
+    if not spec.hosts:
+        return "127.0.0.1"
+    name = spec.hosts[0].name
+    return "127.0.0.1" if name in ("localhost", "127.0.0.1") else name
 
 
 def check_inherited(env: dict[str, str]) -> None:
@@ -268,7 +301,7 @@ def forwarded_names(spec: LaunchSpec, env: dict[str, str]) -> list[str]:
 # ---------------------------------------------------------------- the command line
 def build_command(spec: LaunchSpec, machine: Machine, base_env: dict[str, str]) -> Launch:
     """The ``mpirun`` argv for ``spec`` on ``machine`` and the environment to run it with."""
-    env, changed = rank_environment(spec, base_env)
+    env, changed = rank_environment(spec, base_env, machine.master_port)
     check_inherited(env)
     user_mpi = set(spec.mpi_args)
     argv = [machine.mpirun]

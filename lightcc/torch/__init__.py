@@ -4,7 +4,8 @@
 function names, argument names and defaults, averaging by default, in-place ``*_`` variants,
 integer handles for ``poll``/``synchronize``, ``DistributedOptimizer``, the broadcast helpers
 and ``SyncBatchNorm``. See docs/torch.md ("Differences from Horovod") for the few deliberate
-differences and the options that restore Horovod's behaviour.
+differences and the options that restore Horovod's behaviour. Importing it also registers
+the torch.distributed backend ``"lightcc"`` (docs/torch-distributed.md).
 """
 from __future__ import annotations
 
@@ -28,6 +29,9 @@ from .mpi_ops import (allgather, allgather_async, allreduce, allreduce_, allredu
 from .autograd import gradient_semantics, set_gradient_semantics  # after .mpi_ops (a cycle)
 from .optimizer import DistributedOptimizer
 from .sync_batch_norm import SyncBatchNorm
+from . import c10d as _c10d
+
+_c10d.register()   # the torch.distributed backend "lightcc"
 
 __all__ = [
     "Adasum", "Average", "Compression", "DistributedOptimizer", "HorovodInternalError", "Max",

@@ -171,3 +171,28 @@ def test_bad_script_is_refused_before_launch():
     # one line from lccrun and nothing from mpirun or a rank: nothing was launched
     assert err.strip().count("\n") == 0 and "no_such_script_xyz.py" in err, err
     assert not out.strip(), out
+
+
+@pytest.mark.parametrize("backend", ["gloo", "lightcc"])
+def test_torchrun_style_script_runs_unchanged(backend):
+    pytest.importorskip("torch")
+    rc, out, err, _ = run_lccrun(["-np", "2", sys.executable, str(WORKERS / "torchrun_style.py"),
+                                  backend], timeout=120)
+    assert rc == 0, err[-3000:]
+    for rank in (0, 1):
+        assert f"rank {rank}/2 local {rank}/2 sum 3 backend {backend}" in out, out + err[-2000:]
+
+
+@pytest.mark.parametrize("hook,least", [("none", 96.0), ("topk", 94.5)])
+def test_ddp_mnist_example_on_digits(hook, least):
+    """Done-when of issue 15: >= 96 % uncompressed; TopK within its 1.5-point bar of that."""
+    pytest.importorskip("torch")
+    pytest.importorskip("sklearn")
+    rc, out, err, _ = run_lccrun(["-np", "2", sys.executable, "examples/ddp_mnist.py",
+                                  "--data-dir", "/nonexistent", "--comm-hook", hook],
+                                 timeout=240)
+    assert rc == 0, err[-3000:]
+    assert f"backend lightcc, comm hook {hook}" in out, out
+    accuracy = [float(line.split("test accuracy ")[1].split("%")[0])
+                for line in out.splitlines() if line.startswith("epoch ")]
+    assert len(accuracy) == 8 and accuracy[-1] >= least, out

@@ -279,6 +279,32 @@ def test_environment_forwarding():
     assert len(xs) == len(set(xs))
 
 
+def test_torch_rendezvous_variables():
+    """MASTER_ADDR/MASTER_PORT for torchrun-style scripts: set, forwarded, never overridden."""
+    launch = build(["-np", "2", "python", "x.py"], master_port=41234)
+    assert launch.env["MASTER_ADDR"] == "127.0.0.1" and launch.env["MASTER_PORT"] == "41234"
+    xs = pairs(launch.argv, "-x")
+    assert "MASTER_ADDR" in xs and "MASTER_PORT" in xs
+    launch = build(["-H", "nodeA:2,nodeB:2", "python", "x.py"], master_port=41234)
+    assert launch.env["MASTER_ADDR"] == "nodeA"
+    mine = {**BASE_ENV, "MASTER_ADDR": "10.0.0.7", "MASTER_PORT": "555"}
+    launch = build(["-np", "2", "python", "x.py"], env=mine, master_port=41234)
+    assert (launch.env["MASTER_ADDR"], launch.env["MASTER_PORT"]) == ("10.0.0.7", "555")
+    assert "MASTER_PORT" not in launch.changed
+    assert 0 < command.free_port() < 65536
+
+
+def test_rank_wrapper_exports_torch_rank_variables():
+    env = {"OMPI_COMM_WORLD_RANK": "3", "OMPI_COMM_WORLD_SIZE": "4",
+           "OMPI_COMM_WORLD_LOCAL_RANK": "1", "OMPI_COMM_WORLD_LOCAL_SIZE": "2", "RANK": "9"}
+    assert _rankwrap.export_torch_env(env) == {"RANK": "3", "WORLD_SIZE": "4",
+                                               "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}
+    assert env["RANK"] == "3"                     # lccrun's launch decides the rank
+    only_pmix = {"PMIX_RANK": "2"}
+    assert _rankwrap.export_torch_env(only_pmix) == {"RANK": "2"}
+    assert _rankwrap.export_torch_env({}) == {}
+
+
 def test_python_commands_go_through_the_wrapper():
     w = command.WRAPPER_MODULE
     assert wrap_command(["python", "t.py", "--lr", "1"]) == ["python", "-m", w, "t.py", "--lr", "1"]

@@ -44,6 +44,12 @@ def reduce_into(dst: Any, src: Any, op: str) -> None:
         array_module(dst).minimum(dst, src, out=dst)
     elif op == "max":
         array_module(dst).maximum(dst, src, out=dst)
+    elif op == "band":
+        dst &= src
+    elif op == "bor":
+        dst |= src
+    elif op == "bxor":
+        dst ^= src
     else:
         raise ValueError(f"unknown reduction op {op!r}; known: {', '.join(REDUCE_OPS)}")
 

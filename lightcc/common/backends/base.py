@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Protocol, Sequence, runtime_checkable
 
-REDUCE_OPS = ("sum", "min", "max", "prod")
+REDUCE_OPS = ("sum", "min", "max", "prod", "band", "bor", "bxor")
 
 
 @dataclass

@@ -44,7 +44,8 @@ def _mpi():
     return _MPI_MODULE
 
 
-_OPS = {"sum": "SUM", "min": "MIN", "max": "MAX", "prod": "PROD"}
+_OPS = {"sum": "SUM", "min": "MIN", "max": "MAX", "prod": "PROD", "band": "BAND", "bor": "BOR",
+        "bxor": "BXOR"}
 
 
 def _as_bytes(buf: np.ndarray) -> np.ndarray:

@@ -1,0 +1,170 @@
+"""Creating lightcc process groups: the backend creator, ``new_group`` and the MPI rendezvous.
+
+* The world group (``init_process_group("lightcc")``) runs on lightcc's global process set;
+  lightcc is initialized here when the script has not done it (rank and size come from MPI
+  and must agree with torch's).
+* ``dist.new_group(ranks)`` with a lightcc default group is delegated by torch 2.13 to
+  :meth:`new_group` on *every* rank, which is what ``add_process_set`` (collective over all
+  ranks) needs. With another default backend torch calls the creator on members only, which
+  works for groups of all ranks and raises a clear error for strict subsets.
+* Under ``mpirun`` without torchrun's variables (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``,
+  ``MASTER_PORT``), the ``env://`` rendezvous falls back to one built over MPI: rank 0 starts a
+  ``TCPStore`` on a free port and broadcasts its address, so ``init_process_group("lightcc")``
+  needs no other argument (and neither does ``"gloo"``).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import sys
+from datetime import timedelta
+from typing import Any, Iterator
+
+import torch.distributed as dist
+
+from ...common import api
+from ...common.exceptions import InvalidArgumentError, LightCCError
+from .group import BACKEND_NAME, ProcessGroupLightCC
+from .p2p import make_comm
+
+log = logging.getLogger("lightcc")
+DEFAULT_TIMEOUT_S = 1800.0
+_MPI_ENV = ("OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "PMI_SIZE")
+_TORCH_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+_state = {"initialized_lightcc": False, "registered": False}
+
+
+def _timeout_s(timeout: Any) -> float:
+    if isinstance(timeout, timedelta) and timeout.total_seconds() > 0:
+        return timeout.total_seconds()
+    return DEFAULT_TIMEOUT_S
+
+
+def _ensure_lightcc(torch_rank: int, torch_size: int) -> None:
+    """Start lightcc if needed and check that MPI and torch agree on rank and size."""
+    if not api.is_initialized():
+        api.init()
+        _state["initialized_lightcc"] = True
+    if (api.rank(), api.size()) != (torch_rank, torch_size):
+        raise LightCCError(f"the lightcc backend runs over MPI, but torch says rank "
+                           f"{torch_rank} of {torch_size} and MPI says rank {api.rank()} of "
+                           f"{api.size()}: launch with lccrun or mpirun (not torchrun), or keep "
+                           f"RANK/WORLD_SIZE consistent with the MPI launch")
+
+
+def create(opts: Any, pg_options: Any = None) -> ProcessGroupLightCC:
+    """The creator torch calls (extended API) for ``init_process_group`` / ``new_group``."""
+    members = list(opts.global_ranks_in_group or [])
+    timeout = _timeout_s(opts.timeout)
+    if not members:            # the world group
+        _ensure_lightcc(opts.group_rank, opts.group_size)
+        pg = ProcessGroupLightCC(opts.group_rank, opts.group_size, api.global_process_set,
+                                 timeout, make_comm(None), list(range(opts.group_size)))
+        return pg
+    world = dist.get_world_size()
+    if sorted(members) != list(range(world)):
+        raise LightCCError(
+            f"new_group(ranks={members}, backend='lightcc') with a non-lightcc default group: "
+            f"torch calls the backend on the group's members only, but a lightcc process set "
+            f"is created by all ranks together. Use init_process_group('lightcc') (then every "
+            f"new_group works), or a group of all {world} ranks")
+    _ensure_lightcc(dist.get_rank(), world)
+    ps = api.add_process_set(api.ProcessSet(members))
+    return ProcessGroupLightCC(opts.group_rank, opts.group_size, ps, timeout,
+                               make_comm(None), members, owns_set=True)
+
+
+def new_group(self: ProcessGroupLightCC, ranks: list[int], timeout: Any = None,
+              pg_options: Any = None, group_name: str | None = None,
+              group_desc: str | None = None) -> ProcessGroupLightCC | None:
+    """``dist.new_group`` on a lightcc default group (torch calls it on every rank)."""
+    caller = sys._getframe(1).f_locals
+    if caller.get("use_local_synchronization"):
+        raise InvalidArgumentError("new_group(use_local_synchronization=True) is not supported "
+                                   "by the lightcc backend: its process sets are created by "
+                                   "all ranks together")
+    backend = caller.get("backend")
+    if backend is not None and str(backend).lower() != BACKEND_NAME:
+        raise InvalidArgumentError(
+            f"new_group(backend={str(backend)!r}) with a lightcc default group: torch 2.13 "
+            f"hands every new_group to the default group's backend. Initialize the default "
+            f"group with {str(backend)!r} and create lightcc groups with "
+            f"new_group(backend='lightcc') instead")
+    ranks = sorted(int(r) for r in ranks)
+    ps = api.add_process_set(api.ProcessSet(ranks))
+    member = api.rank() in ranks
+    comm = make_comm(ranks) if member else None
+    if not member:
+        return None
+    pg = ProcessGroupLightCC(ranks.index(api.rank()), len(ranks), ps,
+                             _timeout_s(timeout) if timeout else self._timeout, comm, ranks,
+                             owns_set=True)
+    if group_name:
+        pg.setGroupName(group_name)
+    if group_desc:
+        pg.setGroupDesc(group_desc)
+    return pg
+
+
+ProcessGroupLightCC.new_group = new_group
+
+
+# ---- rendezvous over MPI --------------------------------------------------------------------
+def _under_mpi() -> bool:
+    return any(name in os.environ for name in _MPI_ENV)
+
+
+def _mpi_rendezvous(timeout: timedelta) -> tuple[Any, int, int]:
+    """(store, rank, world size) without torchrun's variables: a TCPStore on rank 0, its
+    address broadcast over MPI."""
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    rank, size = comm.Get_rank(), comm.Get_size()
+    store = None
+    address = None
+    if rank == 0:
+        host = os.environ.get("MASTER_ADDR") or socket.gethostname()
+        try:
+            store = dist.TCPStore(host, int(os.environ.get("MASTER_PORT", 0)), size, True,
+                                  timeout=timeout, wait_for_workers=False)
+            address = (host, store.port)
+        except Exception as exc:  # noqa: BLE001 - tell the other ranks, then raise
+            address = ("", str(exc))
+    address = comm.bcast(address, root=0)
+    if not address[0]:
+        raise LightCCError(f"rank 0 could not start the rendezvous store: {address[1]}")
+    if store is None:
+        store = dist.TCPStore(address[0], address[1], size, False, timeout=timeout)
+    return store, rank, size
+
+
+def _wrap_env_handler(original: Any) -> Any:
+    def env_or_mpi(url: str, timeout: timedelta = timedelta(minutes=30),
+                   **kwargs: Any) -> Iterator[tuple[Any, int, int]]:
+        if all(name in os.environ for name in _TORCH_ENV) or not _under_mpi() \
+                or "rank=" in url or "world_size=" in url:
+            yield from original(url, timeout=timeout, **kwargs)
+            return
+        log.debug("env:// rendezvous without %s: using MPI", ", ".join(_TORCH_ENV))
+        yield _mpi_rendezvous(timeout)
+        raise RuntimeError("Unable to perform re-rendezvous using lightcc's MPI rendezvous")
+
+    env_or_mpi._lightcc_original = original     # type: ignore[attr-defined]
+    return env_or_mpi
+
+
+def register() -> None:
+    """Register the backend and the MPI rendezvous fallback (idempotent)."""
+    if _state["registered"]:
+        return
+    if BACKEND_NAME.upper() not in dist.Backend._plugins:
+        dist.Backend.register_backend(BACKEND_NAME, create, extended_api=True,
+                                      devices=["cpu", "cuda"])
+    import importlib
+
+    handlers = importlib.import_module("torch.distributed.rendezvous")._rendezvous_handlers
+    if "env" in handlers and not hasattr(handlers["env"], "_lightcc_original"):
+        handlers["env"] = _wrap_env_handler(handlers["env"])
+    _state["registered"] = True

@@ -1,0 +1,50 @@
+"""The torch.distributed backend "lightcc" on real mpirun jobs (issue 15).
+
+Five launches, each running many checks (see workers_torch/c10d_*.py): every collective and op
+against references on 3 ranks; DDP on lightcc against DDP on gloo on 2 ranks (plus torch's and
+lightcc's hooks); torch's PowerSGD hook and FSDP1/FSDP2 on 3 ranks; lightcc's DDP hooks within
+the compression bars on 2 ranks. A failing check aborts its job with the rank and the case.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch")
+
+from tests.mpi_harness import run_mpi  # noqa: E402
+
+W = Path(__file__).parent / "workers_torch"
+QUIET = {"PYTHONWARNINGS": "ignore::FutureWarning,ignore::UserWarning"}
+
+
+def _ok(out: str, cases: int, ranks: int) -> None:
+    assert out.count(f"OK {cases} cases") == ranks, out[-5000:]
+
+
+@pytest.mark.timeout(150)
+def test_every_collective_subgroups_p2p_errors_three_ranks():
+    _ok(run_mpi(3, [str(W / "c10d_collectives.py")], env=QUIET, timeout=140).stdout, 11, 3)
+
+
+@pytest.mark.timeout(150)
+def test_ddp_on_lightcc_matches_gloo_and_hooks_run():
+    _ok(run_mpi(2, [str(W / "c10d_ddp.py")], env=QUIET, timeout=140).stdout, 9, 2)
+
+
+@pytest.mark.timeout(150)
+def test_powersgd_hook_three_ranks():
+    _ok(run_mpi(3, [str(W / "c10d_ddp.py"), "powersgd"], env=QUIET, timeout=140).stdout, 2, 3)
+
+
+@pytest.mark.timeout(150)
+def test_fsdp1_and_fsdp2_match_single_process_three_ranks():
+    _ok(run_mpi(3, [str(W / "c10d_fsdp.py")], env=QUIET, timeout=140).stdout, 3, 3)
+
+
+@pytest.mark.timeout(240)
+def test_lightcc_ddp_hooks_converge_within_bars():
+    pytest.importorskip("sklearn")
+    out = run_mpi(2, [str(W / "c10d_hooks_convergence.py")], env=QUIET, timeout=230).stdout
+    _ok(out, 3, 2)

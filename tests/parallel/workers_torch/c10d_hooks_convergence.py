@@ -1,0 +1,98 @@
+"""lightcc's DDP hooks on scikit-learn's digits: DDP on the "lightcc" backend (2 ranks), each
+hook against no hook, same bars as DistributedOptimizer's compressors (test accuracy drop,
+points, mean over seeds): fp16/bf16/fp8 0.5, TopK 1 % + error feedback 1.5, PowerSGD 1.0.
+Also: parameters bitwise identical on every rank, the hook state's residuals, a hook state for
+another compressor is refused. (Hooks on DDP over gloo: c10d_ddp.py.)
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from sklearn.datasets import load_digits
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import lightcc
+import lightcc.torch  # noqa: F401 - registers the backend
+from common import check, raises, run
+from lightcc.torch import ddp_hooks
+
+R = N = 0
+STEPS, BATCH, LR, MOMENTUM = 300, 64, 0.1, 0.9
+SEEDS = (0, 1)
+BARS = {"none": 0.0, "fp16": 0.5, "bf16": 0.5, "fp8": 0.5, "fp8_e5m2": 0.5, "topk": 1.5,
+        "powersgd": 1.0}
+
+digits = load_digits()
+X = torch.tensor(digits.data / 16.0, dtype=torch.float32)
+Y = torch.tensor(digits.target)
+perm = np.random.default_rng(123).permutation(len(X))
+TRAIN, TEST = perm[:1437], perm[1437:]
+RESULTS: dict[str, float] = {}
+
+
+def train(kind: str, seed: int) -> tuple[float, ddp_hooks.HookState | None,
+                                         list[torch.Tensor]]:
+    torch.manual_seed(seed)
+    model = DDP(nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 10)))
+    state = None if kind == "none" else ddp_hooks.register(model, kind)
+    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+    rng = np.random.default_rng(seed)
+    for _ in range(STEPS):
+        batch = TRAIN[rng.integers(0, len(TRAIN), BATCH)]
+        mine = np.array_split(batch, N)[R]
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(X[mine]), Y[mine]).backward()
+        opt.step()
+    with torch.no_grad():
+        acc = (model(X[TEST]).argmax(1) == Y[TEST]).float().mean().item() * 100
+    return acc, state, [p.detach().clone() for p in model.parameters()]
+
+
+def identical(params: list[torch.Tensor], what: str) -> None:
+    flat = torch.cat([p.reshape(-1) for p in params])
+    outs = [torch.empty_like(flat) for _ in range(N)]
+    dist.all_gather(outs, flat)
+    check(all(torch.equal(outs[0], o) for o in outs), f"{what}: parameters differ by rank")
+
+
+def case_init():
+    global R, N
+    dist.init_process_group("lightcc")
+    R, N = dist.get_rank(), dist.get_world_size()
+
+
+def case_hooks_within_bars():
+    for kind in BARS:
+        runs = [train(kind, s) for s in SEEDS]
+        RESULTS[kind] = float(np.mean([acc for acc, _, _ in runs]))
+        identical(runs[-1][2], kind)
+        state = runs[-1][1]
+        if state is not None:
+            check(state.steps == STEPS, f"{kind}: hook ran {state.steps} times")
+    base = RESULTS["none"]
+    failed = [k for k, bar in BARS.items() if base - RESULTS[k] > bar]
+    if R == 0:
+        for kind, acc in RESULTS.items():
+            print(f"hook {kind:9s} accuracy {acc:6.2f} drop {base - acc:5.2f} "
+                  f"(bar {BARS[kind]})", flush=True)
+    check(not failed, f"accuracy bars missed by {failed}: {RESULTS}")
+
+
+def case_state_and_errors():
+    _, state, _ = train("topk", 0)
+    saved = state.state_dict()
+    residuals = saved["state"]["residuals"]
+    check(list(residuals) == [f"{state.name}.b0"], f"residual keys {list(residuals)}")
+    check(np.abs(residuals[f"{state.name}.b0"]).sum() > 0, "TopK residual is empty")
+    state.load_state_dict(saved)
+    check(state.wire_bytes(10_000, 2) == 8 * 100, f"TopK wire bytes {state.wire_bytes(10_000, 2)}")
+    model = DDP(nn.Linear(64, 64))
+    wrong = ddp_hooks.HookState(ddp_hooks.Compression.fp16)
+    model.register_comm_hook(wrong, ddp_hooks.topk_hook)
+    raises(lightcc.LightCCError, lambda: model(torch.ones(2, 64)).sum().backward(),
+           "state for fp16 given to topk_hook", match="topk_hook")
+
+
+run([case_init, case_hooks_within_bars, case_state_and_errors])
