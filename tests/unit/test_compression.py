@@ -299,3 +299,15 @@ def test_compression_namespace():
         Compression.fp8("e4m4")
     with pytest.raises(ConfigError):
         spec_of(42)
+
+
+def test_powersgd_warm_start_key_does_not_depend_on_the_bucket_layout():
+    from lightcc.common.compression.base import BucketContext
+    from lightcc.common.compression.powersgd import PowerSGDCompressor
+
+    c = PowerSGDCompressor(rank=2)
+    one = BucketContext(("a", "b"), (0, 64), (64, 100), 0, 0, ((8, 8), (10, 10)))
+    two = BucketContext(("b", "a"), (0, 100), (100, 64), 0, 0, ((10, 10), (8, 8)))
+    keys = [{p.name: c._key(p, ctx) for p in c.plan(164, ctx) if p.name}
+            for ctx in (one, two)]
+    assert keys[0] == keys[1] == {"a": "a@0:64", "b": "b@0:100"}

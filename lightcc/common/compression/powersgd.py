@@ -51,6 +51,7 @@ class _Part:
     lo: int
     hi: int
     shape: tuple[int, int] | None
+    tlo: int = 0          # where the part starts inside its tensor
 
 
 class PowerSGDCompressor:
@@ -92,7 +93,7 @@ class PowerSGDCompressor:
                 parts.append(_Part("", pos, lo, None))
             whole = tlo == 0 and hi - lo == size
             parts.append(_Part(name, lo, hi, self._matrix(hi - lo, shapes.get(name) if whole
-                                                          else None)))
+                                                          else None), tlo))
             pos = hi
         if pos < n:
             parts.append(_Part("", pos, n, None))
@@ -104,7 +105,9 @@ class PowerSGDCompressor:
 
     @staticmethod
     def _key(part: _Part, ctx: BucketContext) -> str:
-        return f"{part.name}@{ctx.base + part.lo}:{part.hi - part.lo}"
+        """Warm-start key: the tensor and the part of it, not where fusion put it (a bucket
+        composed differently next step keeps the factors)."""
+        return f"{part.name}@{part.tlo}:{part.hi - part.lo}"
 
     def allreduce(self, comm: Communicator, buf: np.ndarray, ctx: BucketContext) -> None:
         """Replace ``buf`` by the sum over ``comm``: rank-r per matrix, exact for the rest."""
