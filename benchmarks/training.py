@@ -11,10 +11,15 @@ Columns (``--configs``, comma separated):
 - ``lightcc`` / ``lightcc:fp16`` / ``:bf16`` / ``:fp8`` / ``:topk``: ``lightcc.torch``'s
   ``DistributedOptimizer`` with that compressor;
 - ``ddp`` / ``ddp:fp16`` / ``ddp:bf16``: ``DistributedDataParallel`` on gloo, plain or with
-  torch's own ``fp16_compress_hook`` / ``bf16_compress_hook``;
+  torch's own ``fp16_compress_hook`` / ``bf16_compress_hook`` (torch 2.13 refuses its bf16
+  hook without CUDA/NCCL, so ``ddp:bf16`` runs only on GPU builds and is not a default);
 - ``ddp-lcc`` / ``ddp-lcc:fp16`` / ``:bf16`` / ``:fp8`` / ``:topk`` / ``:powersgd``:
   ``DistributedDataParallel`` on the torch.distributed backend ``lightcc``, plain or with
-  that ``lightcc.torch.ddp_hooks`` hook.
+  that ``lightcc.torch.ddp_hooks`` hook;
+- ``local``: the same loop with no communication at all (every rank trains alone): the
+  ceiling no library can pass, which shows how much of a step communication costs at all;
+- ``sync``: ``local`` plus a barrier (MPI) after every step: what waiting for the slower rank
+  costs, before any bytes move.
 
 Models (``--models``): ``mlp`` (6 large tensors), ``resmlp`` (164 small tensors), ``cnn``
 (29 tensors, compute-bound); see benchmarks/models.py. Every rank trains the same model on
@@ -46,7 +51,7 @@ for p in (str(REPO), str(HERE)):
 
 DEFAULT_CONFIGS = "lightcc,ddp,ddp-lcc"
 NETNS_CONFIGS = ("lightcc,lightcc:fp16,lightcc:bf16,lightcc:fp8,lightcc:topk,ddp,ddp:fp16,"
-                 "ddp:bf16,ddp-lcc,ddp-lcc:fp16,ddp-lcc:topk")
+                 "ddp-lcc,ddp-lcc:fp16,ddp-lcc:topk")
 ENGINE_CONFIGS = ("lightcc", "ddp-lcc")      # columns that run lightcc's engine thread
 
 
@@ -151,6 +156,11 @@ class Worker:
             opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
             self._keep.append((model, opt))
             return model, opt
+        if framework == "local":
+            return model, torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+        if framework == "sync":
+            return model, _Synced(torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9),
+                                  self.comm)
         if framework == "ddp-lcc":
             from lightcc.torch import ddp_hooks
 
@@ -193,6 +203,20 @@ class Worker:
         self.barrier()
         slowest = self.comm.allreduce(statistics.median(times), op=_max())
         return {"img_s": args.batch_size * self.world / slowest, "engine_cpu": share}
+
+
+class _Synced:
+    """An optimizer whose step ends with a barrier of all ranks (the ``sync`` column)."""
+
+    def __init__(self, opt, comm) -> None:
+        self.opt, self.comm = opt, comm
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.opt.zero_grad(set_to_none=set_to_none)
+
+    def step(self) -> None:
+        self.opt.step()
+        self.comm.Barrier()
 
 
 def _max():

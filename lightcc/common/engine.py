@@ -48,6 +48,8 @@ _EXEC_FIELDS = ("fusion_threshold", "algorithm", "auto_thresholds", "min_compres
 PLAN_CACHE = 64             # remembered bucket plans of repeated batches
 MAX_WAIT_S = 1.0            # longest single block in the kernel (stops are also woken)
 LAZY_FLUSH_S = 1.0          # lazy mode: the background thread sends what waited this long
+GATHER_S = 0.005           # eager mode: during a burst, the background thread sends at most
+                            # this often (one control message for many gradients, not one each)
 DRIVER_LOCK_WAIT_S = 0.002  # a driver that finds another thread stepping re-checks this often
 
 
@@ -207,8 +209,10 @@ class Engine:
         self._counters: dict[tuple[int, int], itertools.count] = {}
         self.lazy = not overlap_in_background(config.overlap, self.topo)
         self._queued_at = 0.0                # when the oldest queued entry was queued
-        self._urgent = False                 # the queue holds work lazy mode must not hold
+        self._urgent = False                 # the queue holds work nobody may hold back
+        self._flushed_at = 0.0               # when the queue was last sent (burst gathering)
         self._plans: dict[tuple, list[list[int]]] = {}   # see _plan()
+        self._direct = fusion.direct_bytes(self.topo.num_nodes)   # the same on every rank
         self.missed_wakeups = 0              # background sleeps that ignored queued work
         self.listeners: list = []      # callables(event: str, **info), e.g. the autotuner
         self._thread = threading.Thread(target=self._run, name="lightcc-engine", daemon=True)
@@ -275,16 +279,21 @@ class Engine:
             if stream is not None:
                 self._streams.setdefault(sk, deque()).append(entry)
             self._inflight[key] = entry
-            if not self._queue:
+            first = not self._queue
+            if first:
                 self._queued_at = now
             self._queue.append(entry)
             # lazy mode holds what a thread will wait for through synchronize(); the shared
             # ordered stream (torch.distributed) is awaited through torch futures lightcc
-            # cannot see, so it always starts in the background
+            # cannot see, so it is sent at once in every mode. Other eager work is gathered
+            # during a burst (see _step), so the background thread is woken by the first
+            # entry of a queue only.
             eager = not self.lazy or stream == SHARED_STREAM
-            if eager:
+            newly_urgent = stream == SHARED_STREAM and not self._urgent
+            if newly_urgent:
                 self._urgent = True
-        if wake and eager and (self._bg_sleeping or self._drv_sleeping):
+        if wake and eager and (self._drv_sleeping or
+                               (self._bg_sleeping and (first or newly_urgent))):
             self._plane.wake()
         return handle
 
@@ -375,7 +384,8 @@ class Engine:
                         self._plane.wait(sleep)
                     finally:
                         self._bg_sleeping = False
-                    if self._urgent and time.monotonic() >= until:
+                    if sleep > 2 * GATHER_S and time.monotonic() >= until and \
+                            (self._urgent or (self._queue and not self.lazy)):
                         self.missed_wakeups += 1    # slept it out with work queued (a bug)
         except BaseException as exc:  # never die silently: fail everything that waits
             log.exception("lightcc background thread failed")
@@ -396,11 +406,18 @@ class Engine:
 
         In lazy mode (see :func:`overlap_in_background`) the background thread leaves new
         submissions to the thread that will wait for them, unless they have waited
-        :data:`LAZY_FLUSH_S` already (nobody waits for them or polls them).
+        :data:`LAZY_FLUSH_S` already (nobody waits for them or polls them). In eager mode it
+        sends new submissions at most every :data:`GATHER_S` while they keep coming (a
+        submission after a quiet spell goes at once), so backward's 100-300 gradients cost a
+        few control rounds, not one each; the shared ordered stream and a waiting thread are
+        never held.
         """
         hold = 0.0
-        if background and self.lazy and self._queue and not self._urgent:
-            hold = self._queued_at + LAZY_FLUSH_S - time.perf_counter()
+        if background and self._queue and not self._urgent and not self._drivers:
+            if self.lazy:
+                hold = self._queued_at + LAZY_FLUSH_S - time.perf_counter()
+            else:        # a burst (backward's gradients): gather for GATHER_S after a send
+                hold = self._flushed_at + GATHER_S - time.perf_counter()
         progressed = self._flush_queue() if hold <= 0.0 else False
         if self.coordinator is not None:
             progressed |= self._coordinate()
@@ -465,6 +482,7 @@ class Engine:
             self._urgent = False
         msg = RankMessage()
         now = time.perf_counter()
+        self._flushed_at = now
         for entry in new:
             entry.sent_at = now
             req = entry.request
@@ -563,7 +581,7 @@ class Engine:
             if buckets is not None:
                 return buckets
         buckets = fusion.plan(responses, self.settings.fusion_threshold,
-                              self.settings.min_compress_bytes)
+                              self.settings.min_compress_bytes, self._direct)
         if key is not None:
             if len(self._plans) >= PLAN_CACHE:
                 self._plans.pop(next(iter(self._plans)))

@@ -4,8 +4,8 @@
 Allreduces with the same dtype, op, scale factors, compressor, process set and memory (host
 or GPU: a bucket never mixes them) share a bucket, in batch order, until the bucket would
 exceed the fusion threshold; a tensor larger than the threshold gets a bucket of its own (it is
-never truncated), and so does an uncompressed tensor of at least :data:`DIRECT_BYTES` (reduced
-in place, without copies).
+never truncated), and on one host so does an uncompressed tensor of at least
+:data:`DIRECT_BYTES` (reduced in place, without copies; see :func:`direct_bytes`).
 Compressed tensors are always fused, since compression acts per bucket. Whether a tensor is
 compressed is decided per tensor (:func:`effective_compression`), never by its bucket.
 """
@@ -50,15 +50,29 @@ def nbytes(resp: Response) -> int:
 DIRECT_BYTES = 256 << 10
 
 
+def direct_bytes(num_nodes: int) -> int:
+    """The in-place size for a job on ``num_nodes`` hosts; 0: never (always fuse).
+
+    On one host a collective is a memory copy, so the two extra copies of fusing cost as much as
+    the call they save. Across hosts a collective pays a network round trip and a negotiation
+    that one copy does not: resmlp's 40 weights of 700 KB, reduced one by one on two hosts at
+    1 Gbit, trained at 0.79-0.84x DDP's speed against 0.97x fused (benchmarks/training.py
+    --netns), so jobs on several hosts fuse everything up to the fusion threshold.
+    """
+    return DIRECT_BYTES if num_nodes <= 1 else 0
+
+
 def plan(responses: Sequence[Response], threshold: int,
-         min_compress_bytes: int = 0) -> list[list[int]]:
-    """Group response indices into buckets (see module docstring); order follows the batch."""
+         min_compress_bytes: int = 0, direct: int = DIRECT_BYTES) -> list[list[int]]:
+    """Group response indices into buckets (see module docstring); order follows the batch.
+    ``direct``: uncompressed tensors of at least this many bytes get a bucket of their own
+    (0: none do)."""
     buckets: list[list[int]] = []
     open_bucket: dict[tuple, tuple[int, int]] = {}  # key -> (bucket index, bytes so far)
     for i, resp in enumerate(responses):
         key = fusion_key(resp, min_compress_bytes)
         size = nbytes(resp) if key is not None else 0
-        if key is not None and size >= DIRECT_BYTES and key[4] == "none":
+        if key is not None and direct and size >= direct and key[4] == "none":
             buckets.append([i])       # large and uncompressed: its own bucket, no copies
             continue
         if key is not None and key in open_bucket:

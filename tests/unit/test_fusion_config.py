@@ -33,6 +33,15 @@ def test_plan_large_tensor_gets_own_bucket_never_truncated():
     assert fusion.plan(rs, 64) == [[0, 2], [1]]
 
 
+def test_plan_in_place_rule_on_one_host_only():
+    big = fusion.DIRECT_BYTES // 4               # float32 elements of a DIRECT_BYTES tensor
+    rs = [resp("small", 2), resp("big", big), resp("small2", 2)]
+    assert fusion.plan(rs, 1 << 30) == [[0, 2], [1]]               # default: in place, alone
+    assert fusion.direct_bytes(1) == fusion.DIRECT_BYTES and fusion.direct_bytes(2) == 0
+    assert fusion.plan(rs, 1 << 30, direct=fusion.direct_bytes(2)) == [[0, 1, 2]]
+    assert fusion.plan(rs, 1 << 30, direct=4 * big + 4) == [[0, 1, 2]]   # below the bound
+
+
 def test_plan_threshold_zero_disables_fusion():
     rs = [resp("a", 1), resp("b", 1)]
     assert fusion.plan(rs, 0) == [[0], [1]]

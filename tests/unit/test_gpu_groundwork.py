@@ -397,6 +397,11 @@ def test_nccl_collectives_issue_expected_calls(fake_nccl):
     assert c.comm.calls[-1][0] == "bcast" and c.comm.calls[-1][1][1:4] == (48, nccl.NCCL_UINT8, 2)
     with pytest.raises(TypeError, match="cannot reduce"):
         c.allreduce(cp.zeros(2, np.complex64))
+    n_calls = len(c.comm.calls)
+    for op in ("band", "bor", "bxor"):       # NCCL has no bitwise ops: refused, nothing issued
+        with pytest.raises(InvalidArgumentError, match=f"no bitwise reduction \\({op}\\)"):
+            c.allreduce(cp.zeros(2, np.int32), op)
+    assert len(c.comm.calls) == n_calls
     assert c.stats.calls["allreduce"] == 1
 
 

@@ -34,7 +34,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from ..exceptions import CollectiveError, LightCCError
+from ..exceptions import CollectiveError, InvalidArgumentError, LightCCError
 from ..kernels import cuda as kc
 from .base import WireStats, displacements
 
@@ -222,6 +222,10 @@ class NCCLCommunicator:
 
     def _op(self, op: str) -> int:
         if op not in _OPS:
+            if op in ("band", "bor", "bxor"):     # the same op on every rank: none hangs
+                raise InvalidArgumentError(
+                    f"NCCL has no bitwise reduction ({op}); reduce a host copy of the tensor "
+                    f"or set LCC_CPU_REDUCE=1 (GPU buckets reduced on the host)")
             raise ValueError(f"unknown reduction op {op!r}; known: {', '.join(_OPS)}")
         return getattr(_nccl(), _OPS[op])
 
