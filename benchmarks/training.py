@@ -317,12 +317,32 @@ def launch(args: argparse.Namespace, extra: list[str], np_: int) -> list[dict]:
 
 
 def _run(cmd: list[str], env: dict, timeout: float) -> str:
-    proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                          env=env, timeout=timeout)
+    """Run the job; print a progress line per finished row (stderr) while it runs."""
+    import threading
+
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=env)
+    timer = threading.Timer(timeout, proc.kill)
+    timer.start()
+    lines: list[str] = []
+    try:
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith("ROW "):
+                row = json.loads(line[4:])
+                if "img_s" in row:
+                    print(f"  {row['model']:>7} {row['config']:<16} round {row['round'] + 1}: "
+                          f"{row['img_s']:.0f} img/s", file=sys.stderr, flush=True)
+        proc.wait()
+    finally:
+        timer.cancel()
+    out = "".join(lines)
     if proc.returncode != 0:
-        sys.stderr.write(proc.stdout[-6000:])
-        raise SystemExit(f"benchmark job failed with exit code {proc.returncode}")
-    return proc.stdout
+        sys.stderr.write(out[-6000:])
+        why = f"killed after --timeout {timeout:g} s" if proc.returncode == -9 else \
+            f"exit code {proc.returncode}"
+        raise SystemExit(f"benchmark job failed ({why})")
+    return out
 
 
 def table(rows: list[dict], configs: list[str], baselines: list[str], cpu: bool) -> str:
