@@ -242,13 +242,17 @@ def worker(args: argparse.Namespace) -> None:
                 chk.count(kind)
         done_ops += len(ops)
         rnd += 1
-        if rnd % args.sample_every == 0 or done_ops >= args.ops:
+        if rnd % args.sample_every == 0 and done_ops < args.ops:
             samples.append(_sample(proc, eng, done_ops, time.monotonic() - t0))
         if rnd % 500 == 0:       # all ranks got bit-identical lossy results so far
             dig = lcc.allgather(np.array([chk.lossy_digest], np.int64), name="soak.digest")
             assert len(set(dig.tolist())) == 1, f"lossy results differ across ranks: {dig}"
     dig = lcc.allgather(np.array([chk.lossy_digest], np.int64), name="soak.digest")
     assert len(set(dig.tolist())) == 1, f"lossy results differ across ranks: {dig}"
+    # the last sample after a barrier: before it, a faster rank may already have submitted the
+    # next collective, which rank 0's coordinator then rightly holds as pending
+    lcc.barrier()
+    samples.append(_sample(proc, eng, done_ops, time.monotonic() - t0))
     result = {"rank": rank, "ops": done_ops, "rounds": rnd, "checks": chk.checks,
               "by_kind": chk.by_kind, "seconds": time.monotonic() - t0, "samples": samples,
               "compressors": comps, "algorithms": algos}
