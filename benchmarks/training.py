@@ -135,7 +135,7 @@ class Worker:
         model = models.build(model_name)
         if framework == "lightcc":
             lcc = self.lightcc()
-            opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+            opt = _sgd(model)
             lcc.broadcast_parameters(model.state_dict(), root_rank=0)
             comp = _compression(lcc, option or "none")
             opt = lcc.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
@@ -153,14 +153,13 @@ class Worker:
                 if hook is None:
                     raise SystemExit(f"ddp:{option}: torch has no such hook (fp16, bf16)")
                 model.register_comm_hook(dist.group.WORLD, hook)
-            opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+            opt = _sgd(model)
             self._keep.append((model, opt))
             return model, opt
         if framework == "local":
-            return model, torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+            return model, _sgd(model)
         if framework == "sync":
-            return model, _Synced(torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9),
-                                  self.comm)
+            return model, _Synced(_sgd(model), self.comm)
         if framework == "ddp-lcc":
             from lightcc.torch import ddp_hooks
 
@@ -171,7 +170,7 @@ class Worker:
                     raise SystemExit(f"ddp-lcc:{option}: no such lightcc hook "
                                      f"({', '.join(ddp_hooks.HOOKS)})")
                 ddp_hooks.register(model, option, process_group=group)
-            opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+            opt = _sgd(model)
             self._keep.append((model, opt))
             return model, opt
         raise SystemExit(f"unknown framework in config {config!r}")
@@ -203,6 +202,13 @@ class Worker:
         self.barrier()
         slowest = self.comm.allreduce(statistics.median(times), op=_max())
         return {"img_s": args.batch_size * self.world / slowest, "engine_cpu": share}
+
+
+def _sgd(model):
+    """The optimizer every column trains with (the same one, so columns compare)."""
+    import torch
+
+    return torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
 
 
 class _Synced:

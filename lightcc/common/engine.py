@@ -384,8 +384,9 @@ class Engine:
                         self._plane.wait(sleep)
                     finally:
                         self._bg_sleeping = False
-                    if sleep > 2 * GATHER_S and time.monotonic() >= until and \
-                            (self._urgent or (self._queue and not self.lazy)):
+                    # urgent work is never held; eager work only for a hold (<= GATHER_S)
+                    if time.monotonic() >= until and (self._urgent or (
+                            self._queue and not self.lazy and sleep > GATHER_S)):
                         self.missed_wakeups += 1    # slept it out with work queued (a bug)
         except BaseException as exc:  # never die silently: fail everything that waits
             log.exception("lightcc background thread failed")

@@ -34,6 +34,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from ..dtypes import BITWISE
 from ..exceptions import CollectiveError, InvalidArgumentError, LightCCError
 from ..kernels import cuda as kc
 from .base import WireStats, displacements
@@ -222,7 +223,7 @@ class NCCLCommunicator:
 
     def _op(self, op: str) -> int:
         if op not in _OPS:
-            if op in ("band", "bor", "bxor"):     # the same op on every rank: none hangs
+            if op in BITWISE:              # the same op on every rank: none hangs
                 raise InvalidArgumentError(
                     f"NCCL has no bitwise reduction ({op}); reduce a host copy of the tensor "
                     f"or set LCC_CPU_REDUCE=1 (GPU buckets reduced on the host)")
