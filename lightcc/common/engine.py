@@ -182,7 +182,7 @@ class Engine:
         self._plane = ControlPlane(mpi_comm, hostnames, config.control_addr)
         self.settings = ExecSettings.from_config(config)
         self.groups: dict[int, Group] = {0: Group(0, tuple(range(self.size)), self.topo,
-                                                  self.settings)}
+                                                  self.settings, progress=self._pump)}
         self.tracer: Tracer = NULL
         self.batches = 0                     # batches executed
         self.cache = ResponseCache(config.cache_capacity)
@@ -502,6 +502,23 @@ class Engine:
             self._plane.send(0, msg.encode())
         return True
 
+    def _pump(self) -> None:
+        """Between the pieces of a long exchange (``Communicator.progress``), on the thread
+        that executes it: send new submissions to the coordinator, and on rank 0 take in the
+        requests that arrived, so the next batch is agreed while this one is on the wire.
+
+        Without it the thread that executes a bucket is also the only one that negotiates:
+        at 1 Gbit a gradient produced while a 100 ms bucket was on the wire was announced
+        only after it, and its bucket started a round trip and a gather period late (30 ms
+        idle wire per step in the MLP benchmark). Nothing executes here: batches stay for
+        the step after the bucket (rank 0 ticks the coordinator there; other ranks read
+        batches only there)."""
+        if self._queue:
+            self._flush_queue()
+        if self.coordinator is not None:
+            for src, data in self._plane.poll(0.0):
+                self.coordinator.receive(src, RankMessage.decode(data))
+
     def _coordinate(self) -> bool:
         """Rank 0: ask the coordinator for a batch; send it to every rank and execute it."""
         batch = self.coordinator.tick()
@@ -708,7 +725,7 @@ class Engine:
         if member:
             hosts = [self.hostnames[r] for r in ranks]
             topo = build(sub, hosts, self.config.local_size)
-            group = Group(resp.value, ranks, topo, self.settings)
+            group = Group(resp.value, ranks, topo, self.settings, progress=self._pump)
             group.set_tracer(self.tracer)
         else:
             sub.free()

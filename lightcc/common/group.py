@@ -71,6 +71,7 @@ class Group:
     tracer: Tracer = NULL
     device_id: int | None = None   # this rank's GPU for the set (its first device tensor's)
     device: Any = None             # DeviceComms, made by device_comms() when first needed
+    progress: Any = None           # the engine's hook between pieces of long exchanges
 
     def __post_init__(self) -> None:
         self._push_chunks()
@@ -138,6 +139,7 @@ class Group:
         for comm in self._comms():
             comm.chunk_bytes = self.settings.mpi_chunk_bytes
             comm.ring_chunk_bytes = self.settings.ring_chunk_bytes
+            comm.progress = self.progress
 
     def _comms(self) -> list:
         t = self.topo

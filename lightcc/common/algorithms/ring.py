@@ -66,7 +66,8 @@ def _ring_pass(comm: Communicator, buf: Any, counts: Sequence[int], op: str | No
 
     At step ``t`` this rank sends segment ``send_seg(t)`` to the right and receives segment
     ``recv_seg(t)`` from the left; ``send_seg(t + 1) == recv_seg(t)`` so each chunk is
-    forwarded right after it arrives. Chunk ``c`` uses tag ``tag_base + c``.
+    forwarded right after it arrives. Chunk ``c`` uses tag ``tag_base + c``. The
+    communicator's ``progress`` hook (if any) runs once per chunk and step.
     """
     p, r = comm.size, comm.rank
     if p == 1:
@@ -82,6 +83,7 @@ def _ring_pass(comm: Communicator, buf: Any, counts: Sequence[int], op: str | No
                for c in range(k)] if op is not None else []
     sends: list[Any] = [None] * k
     recvs: list[Any] = [None] * k
+    progress = getattr(comm, "progress", None)
 
     def post(t: int, c: int) -> None:
         out = piece(send_seg(t), c)
@@ -107,6 +109,8 @@ def _ring_pass(comm: Communicator, buf: Any, counts: Sequence[int], op: str | No
                 sends[c] = None
             if t + 1 < p - 1:
                 post(t + 1, c)
+            if progress is not None:
+                progress()
 
 
 def reduce_scatter_steps(comm: Communicator, buf: Any, counts: Sequence[int], op: str,

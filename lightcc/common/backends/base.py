@@ -13,7 +13,7 @@ Reduction ops are the strings in :data:`REDUCE_OPS`; averaging is done by the ca
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Protocol, Sequence, runtime_checkable
+from typing import Any, Callable, Protocol, Sequence, runtime_checkable
 
 REDUCE_OPS = ("sum", "min", "max", "prod", "band", "bor", "bxor")
 
@@ -53,6 +53,9 @@ class Communicator(Protocol):
     name: str            # "world", "local", "cross", "row", ... (for logs and the timeline)
     stats: WireStats
     is_device: bool      # True when buffers live on a GPU (CuPy arrays)
+    # called between the pieces of a long point-to-point exchange (None: nothing to do); the
+    # engine passes new submissions on to the coordinator there, see Engine._pump
+    progress: Callable[[], None] | None
 
     def allreduce(self, buf: Any, op: str = "sum") -> None:
         """Reduce ``buf`` over all ranks, in place."""

@@ -128,6 +128,7 @@ class MPICommunicator:
         self.chunk_bytes = ALLREDUCE_CHUNK_BYTES     # set per process set (LCC_MPI_CHUNK_BYTES)
         self._agreement: Any = None                  # duplicate for agree()
         self.ring_chunk_bytes = 1 << 20              # set per process set (LCC_RING_CHUNK_BYTES)
+        self.progress = None                         # set by the engine's groups (Engine._pump)
 
     # -- reductions ---------------------------------------------------------------------------
     def _mpi_type(self, dtype: np.dtype) -> Any:

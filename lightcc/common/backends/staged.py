@@ -125,6 +125,7 @@ class StagedCommunicator:
     tracer = _host_attr("tracer")
     chunk_bytes = _host_attr("chunk_bytes")
     ring_chunk_bytes = _host_attr("ring_chunk_bytes")
+    progress = _host_attr("progress")
 
     # -- staging --------------------------------------------------------------------------------
     @staticmethod

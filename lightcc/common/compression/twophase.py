@@ -45,6 +45,10 @@ def num_pieces(count: int, piece_bytes: int | None = None) -> int:
     return _num_pieces(4 * int(count), piece_bytes, MAX_PIECES)
 
 
+def _idle() -> None:
+    """The progress hook of a communicator that has none."""
+
+
 class _Phases:
     """Spans of one compressed allreduce on ``comm``'s tracer (one check when it is off)."""
 
@@ -196,6 +200,7 @@ class TwoPhaseCompressor:
                     phase2.append((r, j, b, comm.irecv(b, r, tag=k + j)))
         sends: list = []
         done = 0                              # my pieces summed and sent so far
+        pump = getattr(comm, "progress", None) or _idle   # the engine's hook between pieces
 
         def finish_piece(j: int) -> None:
             n = sizes[me][j]
@@ -227,6 +232,7 @@ class TwoPhaseCompressor:
             while done <= j and all(req.test() for req in phase1[done]):
                 finish_piece(done)
                 done += 1
+            pump()
         phases.span("COMPRESS_SEND")
         phases.start()
         # what feeds the wire first (my sums), arrived results in between, else block
@@ -235,10 +241,12 @@ class TwoPhaseCompressor:
                 finish_piece(done)
                 done += 1
             elif not decode_next(False):
+                pump()
                 for req in phase1[done]:
                     req.wait()
-        while decode_next(True):
-            pass
+        while phase2:
+            pump()
+            decode_next(True)
         for req in sends:
             req.wait()
         phases.span("PIPELINED_ACCUMULATE_DECOMPRESS", pieces=k)

@@ -12,7 +12,8 @@ The same context sizes numba's thread pool. By default numba starts one thread p
 *every* process, so with several ranks on one machine each rank's kernels ran as many threads
 as there are cores, on top of the other ranks' communication: on a 2-core machine the pipelined
 fp16 allreduce took 2.06 s for 64 MB instead of 0.29 s. ``init()`` calls :func:`configure`
-with ``LCC_CODEC_THREADS`` (0 = the usable cores divided by the ranks on this host), and every
+with ``LCC_CODEC_THREADS`` (default 1: the serial kernels; 0 = the usable cores divided by the
+ranks on this host), and every
 kernel launch uses that many threads (numba's setting is per calling thread, so it is applied
 at each launch; a cheap comparison when it is already right).
 """
