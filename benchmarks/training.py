@@ -309,7 +309,10 @@ def launch(args: argparse.Namespace, extra: list[str], np_: int) -> list[dict]:
             env["LCC_BENCH_MASTER"] = sim.addrs[0]
             env["GLOO_SOCKET_IFNAME"] = "lcc0"
             env.update(sim.env())
-            cmd = sim.mpirun_cmd(1, num_links=None) + cmd_tail
+            # two TCP connections per pair of ranks, as lccrun launches a job (and as
+            # lcc.init() sets for plain mpirun when it starts MPI itself): on one connection
+            # Open MPI's rendezvous replies queue behind a rank's own outgoing data
+            cmd = sim.mpirun_cmd(1, num_links=2) + cmd_tail
             out = _run(cmd, env, args.timeout)
     else:
         out = _run(_mpirun_local(np_) + cmd_tail, env, args.timeout)

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import atexit
 import logging
+import os
+import sys
 import threading
 from typing import Any, Sequence
 
@@ -89,6 +91,20 @@ global_process_set.process_set_id = 0
 
 
 # ---- lifecycle ------------------------------------------------------------------------------
+def _default_mca(cfg: Any) -> None:
+    """Open MPI settings lightcc's traffic needs, for jobs started without ``lccrun`` (which
+    passes them on the command line): ``btl_tcp_links`` = ``LCC_NUM_LINKS``. Only where this
+    process has not started MPI yet (MPI_Init reads the variables) and the variable is unset: a
+    value given to ``mpirun --mca`` reaches the ranks as the same variable and wins.
+
+    Why: over one TCP connection per pair of ranks, a rank's rendezvous replies queue behind
+    its own outgoing data, and the back-to-back messages of an exchange stalled for 40-60 ms
+    each at 1 Gbit (docs/topology.md, "Slow links")."""
+    if "mpi4py.MPI" in sys.modules:
+        return
+    os.environ.setdefault("OMPI_MCA_btl_tcp_links", str(cfg.num_links))
+
+
 def init(comm: Any = None, process_sets: Sequence[ProcessSet] | None = None,
          **overrides: Any) -> None:
     """Start lightcc on this process (collective over ``comm``, default MPI.COMM_WORLD).
@@ -103,6 +119,7 @@ def init(comm: Any = None, process_sets: Sequence[ProcessSet] | None = None,
             return
         cfg = config_mod.load(overrides)
         _setup_logging(cfg.log_level)
+        _default_mca(cfg)
         from mpi4py import MPI
 
         if MPI.Query_thread() < MPI.THREAD_SERIALIZED:
