@@ -44,7 +44,8 @@ def check_dtype(t: torch.Tensor, what: str) -> None:
 
 def as_array(t: torch.Tensor) -> np.ndarray:
     """A NumPy view of the contiguous CPU tensor ``t`` (shares memory)."""
-    t = t.detach()
+    if t.requires_grad:
+        t = t.detach()
     if t.dtype == torch.bfloat16:
         return t.view(torch.int16).numpy().view(_BF16)
     return t.numpy()

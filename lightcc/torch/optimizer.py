@@ -172,21 +172,19 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         """Start the allreduce of ``p.grad`` (zeros when this rank computed none)."""
         if p.grad is None:
             p.grad = torch.zeros_like(p)
-        name = self._parameter_names[p]
         grad = p.grad
         if grad.is_sparse:
             if not self.sparse_as_dense:
-                return _ops.sparse_allreduce_async(grad, name, self.op, self.process_set), \
-                    "sparse"
+                return _ops.sparse_allreduce_async(grad, self._parameter_names[p], self.op,
+                                                   self.process_set), "sparse"
             grad = grad.to_dense()
         ctx = None
         if self._spec is None:      # Horovod-style custom compressor, per tensor
             grad, ctx = self._compression.compress(grad)
         elif grad is p.grad and grad.is_contiguous() and \
                 (where := grad.device.type) in _IN_PLACE_DEVICES:
-            handle = self._submit_in_place(p, name, grad, where == "cpu")
-            if handle is not None:
-                return handle, _IN_PLACE
+            return self._submit_in_place(p, grad, where == "cpu"), _IN_PLACE
+        name = self._parameter_names[p]
         pre, post = self._scales()
         s = stage(grad, "DistributedOptimizer")
         if s.gpu:
@@ -195,11 +193,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                                       self._compression if self._spec else None, out=s.array)
         return handle, (s, ctx)
 
-    def _submit_in_place(self, p: torch.Tensor, name: str, grad: torch.Tensor,
-                         cpu: bool = True) -> Any:
+    def _submit_in_place(self, p: torch.Tensor, grad: torch.Tensor, cpu: bool = True) -> Any:
         """The per-step fast path: the gradient's own memory is reduced in place with the
         request validated at the first step (same name, shape, dtype, op and scales every
-        step), so a gradient costs a view and a queue entry. None: take the general path."""
+        step), so a gradient costs a view and a queue entry."""
         eng = _api.engine()
         cached = self._prepared.get(p)
         if cpu:
@@ -211,8 +208,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 cached[2] == arr.dtype:
             return eng.submit(cached[1], arr, arr)
         pre, post = self._scales()
-        handle = _api.allreduce_async(arr, self.op, name, pre, post, self.process_set,
-                                      self._compression, out=arr)
+        handle = _api.allreduce_async(arr, self.op, self._parameter_names[p], pre, post,
+                                      self.process_set, self._compression, out=arr)
         self._prepared[p] = (eng, handle.request, arr.dtype)
         return handle
 
@@ -239,15 +236,24 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         return grad, None
 
     def _on_grad(self, p: torch.Tensor) -> None:
-        """Post-accumulate-grad hook: count the pass; reduce once the last one arrived."""
-        if self._handles.get(p, (None,))[0] is not None and self._allreduce_delay[p] <= 0:
+        """Post-accumulate-grad hook: count the pass; reduce once the last one arrived.
+
+        Runs once per gradient per step, so it looks ``p`` up as few times as it can (a
+        tensor's hash is a Python call): with one backward pass per step the pass count is
+        not kept (it stays at 1), and a started reduction (a handle) is what a pass too many
+        finds."""
+        handles = self._handles
+        prev = handles.get(p)
+        if prev is not None and prev[0] is not None:
             raise AssertionError("Gradients were computed more than backward_passes_per_step "
                                  "times before call to step(). Increase "
                                  "backward_passes_per_step to accumulate gradients locally.")
-        self._allreduce_delay[p] -= 1
-        if self._allreduce_delay[p] > 0:
-            self._handles[p] = (None, None)
-            return
+        if self.backward_passes_per_step != 1:
+            left = self._allreduce_delay[p] - 1
+            self._allreduce_delay[p] = left
+            if left > 0:
+                handles[p] = (None, None)
+                return
         if self._groups is not None:
             group = self._p_to_group[p]
             self._group_counts[group] += 1
@@ -257,38 +263,46 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 self._handles[group] = self._submit_group(group)
                 self._group_counts[group] = 0
             else:
-                self._handles[p] = (None, None)
+                handles[p] = (None, None)
             return
-        self._handles[p] = self._submit(p)
+        handles[p] = self._submit(p)
 
     def synchronize(self) -> None:
         """Finish every gradient's allreduce (starting those not yet started) in place."""
         if not self.process_set.included():
             self._synchronized = True
             return
-        started = set()
+        started, idle = 0, False
         for key, (handle, _) in self._handles.items():
-            if handle is not None:
-                started.update(key if isinstance(key, tuple) else (key,))
-        for key in [k for k, (h, _) in self._handles.items() if h is None]:
-            del self._handles[key]
-        if self._groups is not None:   # a group is always reduced as a whole, zeros if absent
-            for group in self._group_counts:
-                if group[0] not in started:
-                    self._handles[group] = self._submit_group(group)
-        else:
-            for p in [q for q in self._requires_update if q not in started]:
-                self._handles[p] = self._submit(p)
+            if handle is None:
+                idle = True
+            else:
+                started += len(key) if isinstance(key, tuple) else 1
+        if idle:
+            for key in [k for k, (h, _) in self._handles.items() if h is None]:
+                del self._handles[key]
+        if started < len(self._requires_update):     # some gradients never arrived
+            begun = set()
+            for key in self._handles:
+                begun.update(key if isinstance(key, tuple) else (key,))
+            if self._groups is not None:  # a group is always reduced as a whole, zeros if absent
+                for group in self._group_counts:
+                    if group[0] not in begun:
+                        self._handles[group] = self._submit_group(group)
+            else:
+                for p in [q for q in self._requires_update if q not in begun]:
+                    self._handles[p] = self._submit(p)
         try:
             with torch_stream(self._gpu):   # CUDA results: torch's stream waits for them
                 for key, (handle, info) in self._handles.items():
                     self._finish(key, handle, info)
         finally:
             self._handles.clear()
-            for p in self._allreduce_delay:
-                self._allreduce_delay[p] = self.backward_passes_per_step
-            for group in self._group_counts:
-                self._group_counts[group] = 0
+            if self.backward_passes_per_step != 1:    # (_on_grad keeps no count at 1)
+                self._allreduce_delay = dict.fromkeys(self._allreduce_delay,
+                                                      self.backward_passes_per_step)
+            if self._groups is not None:
+                self._group_counts = dict.fromkeys(self._group_counts, 0)
         self._synchronized = True
 
     def _finish(self, key: Any, handle: Any, info: Any) -> None:

@@ -130,6 +130,31 @@ def case_backward_passes_per_step():
     opt.synchronize()
 
 
+def case_second_pass_with_one_pass_per_step():
+    """backward_passes_per_step=1 (the pass count is not kept): a second backward before
+    step() is refused, and the step after synchronize() still averages the first pass."""
+    model, ref = make_model(), make_model()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters())
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    x, y = batch(R, 77)
+    F.cross_entropy(model(x), y).backward()
+    raises(AssertionError, lambda: F.cross_entropy(model(x), y).backward(), "second pass")
+    opt.synchronize()
+    model.zero_grad()       # the refused pass added to the local grads; start over
+    opt.zero_grad()
+    for step in range(2):
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        x, y = batch(R, 80 + step)
+        F.cross_entropy(model(x), y).backward()
+        fx, fy = full_batch(80 + step)
+        F.cross_entropy(ref(fx), fy).backward()
+        opt.step()
+        ref_opt.step()
+    same_params(model, ref, "after a refused second pass")
+
+
 def case_unused_parameter_and_zero_grad():
     torch.manual_seed(3)
     model = nn.ModuleDict({"a": nn.Linear(3, 2), "b": nn.Linear(3, 2)})
@@ -363,6 +388,7 @@ def case_sync_batch_norm():
 if __name__ == "__main__":
     run([case_init, case_sgd_and_adam_match_full_batch, case_lr_scheduler,
          case_explicit_groups_and_sum, case_backward_passes_per_step,
+         case_second_pass_with_one_pass_per_step,
          case_unused_parameter_and_zero_grad, case_synchronize_warns_once, case_grad_scaler,
          case_name_errors, case_broadcast_state, case_state_dict_roundtrip,
          case_compression_and_custom, case_sparse, case_sync_batch_norm])
