@@ -28,7 +28,6 @@ from .functions import broadcast_object
 
 _STATE_KEY = "lightcc_compression"     # compressor state inside state_dict()
 _IN_PLACE = object()                   # handle info: reduced in the gradient's own memory
-_IN_PLACE_DEVICES = ("cpu", "cuda")    # gradients reduced in place (contiguous ones)
 
 
 class _DistributedOptimizer(torch.optim.Optimizer):
@@ -182,8 +181,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if self._spec is None:      # Horovod-style custom compressor, per tensor
             grad, ctx = self._compression.compress(grad)
         elif grad is p.grad and grad.is_contiguous() and \
-                (where := grad.device.type) in _IN_PLACE_DEVICES:
-            return self._submit_in_place(p, grad, where == "cpu"), _IN_PLACE
+                ((cuda := grad.is_cuda) or grad.is_cpu):    # (device.type costs 0.4 us)
+            return self._submit_in_place(p, grad, not cuda), _IN_PLACE
         name = self._parameter_names[p]
         pre, post = self._scales()
         s = stage(grad, "DistributedOptimizer")
