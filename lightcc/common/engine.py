@@ -599,7 +599,7 @@ class Engine:
             if buckets is not None:
                 return buckets
         buckets = fusion.plan(responses, self.settings.fusion_threshold,
-                              self.settings.min_compress_bytes, self._direct)
+                              self.settings.min_compress_bytes, *self._direct)
         if key is not None:
             if len(self._plans) >= PLAN_CACHE:
                 self._plans.pop(next(iter(self._plans)))

@@ -4,10 +4,11 @@
 Allreduces with the same dtype, op, scale factors, compressor, process set and memory (host
 or GPU: a bucket never mixes them) share a bucket, in batch order, until the bucket would
 exceed the fusion threshold; a tensor larger than the threshold gets a bucket of its own (it is
-never truncated), and on one host so does an uncompressed tensor of at least
-:data:`DIRECT_BYTES` (reduced in place, without copies; see :func:`direct_bytes`).
-Compressed tensors are always fused, since compression acts per bucket. Whether a tensor is
-compressed is decided per tensor (:func:`effective_compression`), never by its bucket.
+never truncated). Some tensors are reduced in place, alone, without copies (see
+:func:`direct_bytes`): on one host an uncompressed tensor of at least :data:`DIRECT_BYTES`;
+across hosts any tensor of at least :data:`MULTI_HOST_DIRECT_BYTES`, compressed or not (the
+compressor then acts on that tensor alone). Whether a tensor is compressed is decided per
+tensor (:func:`effective_compression`), never by its bucket.
 """
 from __future__ import annotations
 
@@ -50,31 +51,46 @@ def nbytes(resp: Response) -> int:
 DIRECT_BYTES = 256 << 10
 
 
-def direct_bytes(num_nodes: int) -> int:
-    """The in-place size for a job on ``num_nodes`` hosts; 0: never (always fuse).
+#: Across hosts, a tensor at least this large (bytes) is reduced alone and in place, compressed
+#: or not: at 1 Gbit it is 32 ms on the wire, so the call it would share costs ~1 % of it, while
+#: packing it and copying the result back cost ~5 ms per 29 MB each way here (mlp's TopK step:
+#: 13 of 85 ms).
+MULTI_HOST_DIRECT_BYTES = 4 << 20
+
+
+def direct_bytes(num_nodes: int) -> tuple[int, int]:
+    """``(uncompressed, compressed)``: the sizes from which a tensor is reduced alone and in
+    place on a job on ``num_nodes`` hosts (0: never, always fuse).
 
     On one host a collective is a memory copy, so the two extra copies of fusing cost as much as
-    the call they save. Across hosts a collective pays a network round trip and a negotiation
-    that one copy does not: resmlp's 40 weights of 700 KB, reduced one by one on two hosts at
-    1 Gbit, trained at 0.79-0.84x DDP's speed against 0.97x fused (benchmarks/training.py
-    --netns), so jobs on several hosts fuse everything up to the fusion threshold.
+    the call they save; compressed tensors are fused there (a compressor acts per bucket, and
+    a call per tensor costs more than the copies). Across hosts a collective pays a network
+    round trip and a negotiation that a copy does not: resmlp's 40 weights of 700 KB, reduced
+    one by one on two hosts at 1 Gbit, trained at 0.79-0.84x DDP's speed against 0.97x fused
+    (benchmarks/training.py --netns), so there only tensors of MULTI_HOST_DIRECT_BYTES or more
+    go alone.
     """
-    return DIRECT_BYTES if num_nodes <= 1 else 0
+    if num_nodes <= 1:
+        return DIRECT_BYTES, 0
+    return MULTI_HOST_DIRECT_BYTES, MULTI_HOST_DIRECT_BYTES
 
 
 def plan(responses: Sequence[Response], threshold: int,
-         min_compress_bytes: int = 0, direct: int = DIRECT_BYTES) -> list[list[int]]:
+         min_compress_bytes: int = 0, direct: int = DIRECT_BYTES,
+         direct_compressed: int = 0) -> list[list[int]]:
     """Group response indices into buckets (see module docstring); order follows the batch.
-    ``direct``: uncompressed tensors of at least this many bytes get a bucket of their own
-    (0: none do)."""
+    ``direct`` / ``direct_compressed``: uncompressed / compressed tensors of at least this many
+    bytes get a bucket of their own (0: none do)."""
     buckets: list[list[int]] = []
     open_bucket: dict[tuple, tuple[int, int]] = {}  # key -> (bucket index, bytes so far)
     for i, resp in enumerate(responses):
         key = fusion_key(resp, min_compress_bytes)
         size = nbytes(resp) if key is not None else 0
-        if key is not None and direct and size >= direct and key[4] == "none":
-            buckets.append([i])       # large and uncompressed: its own bucket, no copies
-            continue
+        if key is not None:
+            alone = direct if key[4] == "none" else direct_compressed
+            if alone and size >= alone:
+                buckets.append([i])       # large: its own bucket, reduced in place
+                continue
         if key is not None and key in open_bucket:
             b, used = open_bucket[key]
             if used + size <= threshold:

@@ -37,9 +37,22 @@ def test_plan_in_place_rule_on_one_host_only():
     big = fusion.DIRECT_BYTES // 4               # float32 elements of a DIRECT_BYTES tensor
     rs = [resp("small", 2), resp("big", big), resp("small2", 2)]
     assert fusion.plan(rs, 1 << 30) == [[0, 2], [1]]               # default: in place, alone
-    assert fusion.direct_bytes(1) == fusion.DIRECT_BYTES and fusion.direct_bytes(2) == 0
-    assert fusion.plan(rs, 1 << 30, direct=fusion.direct_bytes(2)) == [[0, 1, 2]]
+    assert fusion.direct_bytes(1) == (fusion.DIRECT_BYTES, 0)
+    assert fusion.plan(rs, 1 << 30, 0, *fusion.direct_bytes(2)) == [[0, 1, 2]]   # fused across hosts
     assert fusion.plan(rs, 1 << 30, direct=4 * big + 4) == [[0, 1, 2]]   # below the bound
+
+
+def test_plan_across_hosts_large_tensors_go_alone_compressed_or_not():
+    direct = fusion.direct_bytes(2)
+    assert direct == (fusion.MULTI_HOST_DIRECT_BYTES, fusion.MULTI_HOST_DIRECT_BYTES)
+    large = fusion.MULTI_HOST_DIRECT_BYTES // 4          # float32 elements
+    for comp in ("none", "fp16", "topk"):
+        rs = [resp("s1", 100, compression=comp), resp("L1", large, compression=comp),
+              resp("s2", 100, compression=comp), resp("L2", large - 1, compression=comp)]
+        assert fusion.plan(rs, 1 << 30, 0, *direct) == [[0, 2, 3], [1]], comp
+        # on one host, compressed tensors stay fused; uncompressed large ones go alone
+        one = fusion.plan(rs, 1 << 30, 0, *fusion.direct_bytes(1))
+        assert one == ([[0, 2], [1], [3]] if comp == "none" else [[0, 1, 2, 3]]), comp
 
 
 def test_plan_threshold_zero_disables_fusion():
