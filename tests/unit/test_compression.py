@@ -311,3 +311,56 @@ def test_powersgd_warm_start_key_does_not_depend_on_the_bucket_layout():
     keys = [{p.name: c._key(p, ctx) for p in c.plan(164, ctx) if p.name}
             for ctx in (one, two)]
     assert keys[0] == keys[1] == {"a": "a@0:64", "b": "b@0:100"}
+
+
+# ---- error feedback and top-k in one pass ----------------------------------------------------
+@pytest.mark.parametrize("n,k,kind", [(1000, 7, "normal"), (400_000, 4000, "normal"),
+                                      (400_000, 4000, "ties"), (400_000, 4000, "nonfinite"),
+                                      (400_000, 400_000, "normal"), (400_000, 0, "normal")])
+def test_ef_topk_matches_the_separate_steps(n, k, kind):
+    g = RNG.standard_normal(n).astype(np.float32)
+    r = (0.5 * RNG.standard_normal(n)).astype(np.float32)
+    if kind == "ties":                       # mostly zeros: ties at the sampled threshold
+        g[:] = 0.0
+        r[:] = 0.0
+        where = RNG.choice(n, 3000, replace=False)
+        g[where] = RNG.choice([2.0, -2.0, 1.0], where.size)
+    elif kind == "nonfinite":
+        g[[3, 50_000, 399_999]] = [np.nan, np.inf, -np.inf]
+    acc = g + r                                # float32, as the separate steps compute it
+    want = _topk_reference(acc, k)
+    buf, res = g.copy(), r.copy()
+    idx, vals = sparse.ef_topk(buf, res, k)
+    np.testing.assert_array_equal(idx, want)
+    np.testing.assert_array_equal(vals, acc[want])
+    left = acc.copy()
+    left[want] = 0.0
+    np.testing.assert_array_equal(res, left)
+    assert not buf.any()
+
+
+def test_topk_allreduce_one_tensor_matches_numpy_error_feedback():
+    """A bucket of one tensor takes the one-pass path from its second step on; the sum and
+    the residuals follow TopK with error feedback computed step by step in NumPy."""
+    from tests.doubles.fake_nccl import run_ranks, thread_worlds
+
+    p, n, steps = 2, 300_000, 3
+    comps = [compression.make("topk:0.01") for _ in range(p)]
+    ctx = BucketContext(("w",), (0,), (n,), 0, 0, ((n,),))
+    worlds = thread_worlds(p)
+    residual = [np.zeros(n, np.float32) for _ in range(p)]
+    k = math.ceil(0.01 * n)
+    for step in range(steps):
+        grads = [RNG.standard_normal(n).astype(np.float32) for _ in range(p)]
+        want = np.zeros(n, np.float32)
+        for r in range(p):
+            acc = grads[r] + residual[r]
+            idx = _topk_reference(acc, k)
+            np.add.at(want, idx, acc[idx])
+            residual[r] = acc
+            residual[r][idx] = 0.0
+        bufs = [g.copy() for g in grads]
+        run_ranks(p, lambda r: comps[r].allreduce(worlds[r], bufs[r], ctx))
+        for r in range(p):
+            np.testing.assert_array_equal(bufs[r], want)
+            np.testing.assert_array_equal(comps[r].memory.residuals["w"], residual[r])

@@ -65,13 +65,33 @@ class ResidualMemory:
 
     def store(self, residual: np.ndarray, ctx: BucketContext) -> None:
         """Remember ``residual`` (same layout as the buffer) as each tensor's new residual."""
+        names = []
         for name, size, lo, hi, tlo in segments(ctx, residual.size):
+            names.append(name)
             r = self.residuals.get(name)
             if r is None or r.size != size:
                 r = self.residuals[name] = array_module(residual).zeros(size, np.float32)
             elif type(r) is not type(residual):
                 r = self.residuals[name] = like(r, residual)
             r[tlo:tlo + hi - lo] = residual[lo:hi]
+        self.touch(ctx, names)
+
+    def whole(self, buf: np.ndarray, ctx: BucketContext) -> np.ndarray | None:
+        """The residual of the one tensor ``buf`` holds entirely, where it is a float32 array
+        of the same kind and size (then a compressor may update it in place; see
+        :meth:`touch`); else None."""
+        if len(ctx.names) != 1 or ctx.base != 0 or ctx.sizes[0] != buf.size:
+            return None
+        r = self.residuals.get(ctx.names[0])
+        if r is None or r.size != buf.size or type(r) is not type(buf) or \
+                r.dtype != np.float32:
+            return None
+        return r
+
+    def touch(self, ctx: BucketContext, names: Iterable[str] | None = None) -> None:
+        """``names`` (default: the tensors of ``ctx``) were seen at ``ctx``'s step; drop the
+        residuals unseen for too long."""
+        for name in ctx.names if names is None else names:
             self.last_seen[name] = ctx.step
         for name in expire(self.last_seen, ctx.step, self.ttl_steps):
             self.residuals.pop(name, None)

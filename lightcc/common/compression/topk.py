@@ -64,15 +64,23 @@ class TopKCompressor:
         if n >= 2 ** 31:
             raise ConfigError(f"topk: bucket of {n} elements exceeds int32 indices; "
                               "lower the fusion threshold")
-        idx, vals = self.compress(buf, ctx)
-        k = self.last_k = idx.size
         xp, codecs = array_module(buf), codec_module(buf)
+        res = self.memory.whole(buf, ctx) if self.error_feedback and xp is np else None
+        if res is not None:     # one tensor with a residual: one pass (kernels/sparse.ef_topk)
+            from ..kernels.sparse import ef_topk
+
+            idx, vals = ef_topk(buf, res, self.k_for(n))
+            self.memory.touch(ctx)
+            idx = idx.astype(np.int32)
+        else:
+            idx, vals = self.compress(buf, ctx)
+            buf[:] = 0.0
+        k = self.last_k = idx.size
         pack = xp.empty(8 * k, np.uint8)
         pack[:4 * k] = idx.view(np.uint8)
         pack[4 * k:] = vals.view(np.uint8)
         allp = xp.empty(8 * k * p, np.uint8)
         comm.allgatherv(pack, allp, [8 * k] * p)
-        buf[:] = 0.0
         check = {} if xp is np else {"check": False}   # the GPU kernel skips bad indices
         for r in range(p):
             part = allp[8 * k * r:8 * k * (r + 1)]

@@ -17,6 +17,8 @@ import numpy as np
 from ._threads import threaded_launch
 from .floatcast import HAVE_NUMBA, TILE
 
+_EF_TILE = 4096    # float32 elements per tile of _ef_gather (16 KB: stays in L1)
+
 if HAVE_NUMBA:
     from numba import njit, prange
 
@@ -72,6 +74,29 @@ if HAVE_NUMBA:
                 out[k] = j
                 k += 1
                 ties -= 1
+        return k
+
+    @njit(nogil=True, cache=True)
+    def _ef_gather(buf, res, t, idx, vals):  # pragma: no cover - compiled
+        """``res = buf + res`` and ``buf = 0`` in one pass, collecting the elements with
+        ``not |res| < t`` into ``idx``/``vals`` as far as they hold them; returns how many
+        there are. Per 16 KB tile: the sums in a loop that vectorises, then the scan from
+        cache (one loop doing both ran at 7.1 ms for 5 M floats, this at 5.5)."""
+        k = 0
+        n = buf.size
+        for lo in range(0, n, _EF_TILE):
+            b = buf[lo:min(n, lo + _EF_TILE)]
+            r = res[lo:min(n, lo + _EF_TILE)]
+            for j in range(b.size):
+                r[j] = b[j] + r[j]
+                b[j] = 0.0
+            for j in range(r.size):
+                v = r[j]
+                if not abs(v) < t:
+                    if k < idx.size:
+                        idx[k] = lo + j
+                        vals[k] = v
+                    k += 1
         return k
 
     @njit(nogil=True, cache=True)
@@ -139,16 +164,21 @@ def _with_ties(x: np.ndarray, t: np.float32, k: int, greater: int) -> np.ndarray
 
 def _exact(x: np.ndarray, cand: np.ndarray, k: int) -> np.ndarray:
     """The ``k`` largest-|x| of the candidates, ties broken by lower index, ascending."""
-    mags = np.abs(x[cand]).astype(np.float64)
-    mags[np.isnan(mags)] = np.inf
     if cand.size == k:
         return cand
-    kth = np.partition(mags, cand.size - k)[cand.size - k]
+    return cand[_largest(x[cand], k)]
+
+
+def _largest(vals: np.ndarray, k: int) -> np.ndarray:
+    """Mask of the ``k`` largest ``|vals|`` (NaN largest), ties broken by lower position."""
+    mags = np.abs(vals).astype(np.float64)
+    mags[np.isnan(mags)] = np.inf
+    kth = np.partition(mags, mags.size - k)[mags.size - k]
     above = mags > kth
     need = k - int(above.sum())
     tie = mags == kth
     tie &= np.cumsum(tie) <= need
-    return cand[above | tie]
+    return above | tie
 
 
 def trivial_topk(n: int, k: int, xp: Any) -> tuple[int, Any]:
@@ -192,6 +222,43 @@ def topk_indices(x: np.ndarray, k: int) -> np.ndarray:
             return _exact(x, cand, k)
         want *= 2
     return _exact(x, np.arange(n, dtype=np.int64), k)
+
+
+def ef_topk(buf: np.ndarray, res: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """Error feedback and top-k selection in one pass over memory (float32 host arrays of the
+    same size): ``res += buf``, ``buf`` zeroed, and the ``k`` largest ``|res|`` taken out of
+    ``res`` (zeroed there). Returns their indices (ascending, int64, exactly those of
+    ``topk_indices(buf + res, k)``) and values.
+
+    TopK with error feedback otherwise goes over the whole buffer six times (add the residual,
+    find candidates, store the residual, zero the output); on this machine's ~5 GB/s per core
+    that was 14 ms for 5 M floats, this pass and the exact step take about half (7.5 ms).
+    """
+    n = buf.size
+    k, trivial = trivial_topk(n, k, np)
+    pos = SAMPLE - int(math.ceil(1.25 * k * SAMPLE / n)) - 1 if n > 4 * SAMPLE else 0
+    if trivial is not None or not HAVE_NUMBA or pos <= 0:
+        np.add(buf, res, out=res)
+        buf.fill(0.0)
+        idx = topk_indices(res, k) if trivial is None else trivial
+    else:
+        at = _rng.integers(0, n, SAMPLE)
+        sample = np.abs(buf[at] + res[at])
+        sample[np.isnan(sample)] = np.inf
+        sample.sort()
+        want = int(1.25 * k)
+        cidx = np.empty(2 * want + 64, np.int64)
+        cval = np.empty(cidx.size, np.float32)
+        got = _ef_gather(buf, res, np.float32(sample[pos]), cidx, cval)
+        if k <= got <= min(cidx.size, 8 * k):
+            keep = _largest(cval[:got], k) if got > k else slice(None)
+            idx, vals = cidx[:got][keep], cval[:got][keep]
+            res[idx] = 0.0
+            return idx, vals
+        idx = topk_indices(res, k)    # the estimate missed: select again from the sums
+    vals = res[idx]
+    res[idx] = 0.0
+    return idx, vals
 
 
 def scatter_add(idx: np.ndarray, vals: np.ndarray, out: np.ndarray) -> None:
