@@ -329,24 +329,28 @@ def test_ef_topk_matches_the_separate_steps(n, k, kind):
         g[[3, 50_000, 399_999]] = [np.nan, np.inf, -np.inf]
     acc = g + r                                # float32, as the separate steps compute it
     want = _topk_reference(acc, k)
-    buf, res = g.copy(), r.copy()
-    idx, vals = sparse.ef_topk(buf, res, k)
-    np.testing.assert_array_equal(idx, want)
-    np.testing.assert_array_equal(vals, acc[want])
     left = acc.copy()
     left[want] = 0.0
-    np.testing.assert_array_equal(res, left)
-    assert not buf.any()
+    for cuts in ([], [1, 1000 if n > 1000 else 2, n // 2]):   # one residual, or per tensor
+        buf, res = g.copy(), r.copy()
+        bounds = [0, *cuts, n]
+        parts = res if not cuts else [(a, res[a:b]) for a, b in zip(bounds, bounds[1:])]
+        idx, vals = sparse.ef_topk(buf, parts, k)
+        np.testing.assert_array_equal(idx, want)
+        np.testing.assert_array_equal(vals, acc[want])
+        np.testing.assert_array_equal(res, left)
+        assert not buf.any()
 
 
-def test_topk_allreduce_one_tensor_matches_numpy_error_feedback():
-    """A bucket of one tensor takes the one-pass path from its second step on; the sum and
-    the residuals follow TopK with error feedback computed step by step in NumPy."""
+@pytest.mark.parametrize("sizes", [(300_000,), (100_000, 7, 150_000, 60_000), (500,)])
+def test_topk_allreduce_matches_numpy_error_feedback(sizes):
+    """The one-pass path (kernels/sparse.ef_topk over each tensor's residual): the sum and the
+    residuals follow TopK with error feedback computed step by step in NumPy."""
     from tests.doubles.fake_nccl import run_ranks, thread_worlds
 
-    p, n, steps = 2, 300_000, 3
+    p, n, steps = 2, sum(sizes), 3
     comps = [compression.make("topk:0.01") for _ in range(p)]
-    ctx = BucketContext(("w",), (0,), (n,), 0, 0, ((n,),))
+    ctx = _ctx(sizes)
     worlds = thread_worlds(p)
     residual = [np.zeros(n, np.float32) for _ in range(p)]
     k = math.ceil(0.01 * n)
@@ -363,4 +367,5 @@ def test_topk_allreduce_one_tensor_matches_numpy_error_feedback():
         run_ranks(p, lambda r: comps[r].allreduce(worlds[r], bufs[r], ctx))
         for r in range(p):
             np.testing.assert_array_equal(bufs[r], want)
-            np.testing.assert_array_equal(comps[r].memory.residuals["w"], residual[r])
+            kept = np.concatenate([comps[r].memory.residuals[name] for name in ctx.names])
+            np.testing.assert_array_equal(kept, residual[r])

@@ -76,17 +76,18 @@ class ResidualMemory:
             r[tlo:tlo + hi - lo] = residual[lo:hi]
         self.touch(ctx, names)
 
-    def whole(self, buf: np.ndarray, ctx: BucketContext) -> np.ndarray | None:
-        """The residual of the one tensor ``buf`` holds entirely, where it is a float32 array
-        of the same kind and size (then a compressor may update it in place; see
-        :meth:`touch`); else None."""
-        if len(ctx.names) != 1 or ctx.base != 0 or ctx.sizes[0] != buf.size:
-            return None
-        r = self.residuals.get(ctx.names[0])
-        if r is None or r.size != buf.size or type(r) is not type(buf) or \
-                r.dtype != np.float32:
-            return None
-        return r
+    def parts(self, buf: np.ndarray, ctx: BucketContext) -> list[tuple[int, np.ndarray]]:
+        """``(start in buf, residual view)`` for each tensor in the (host) buffer, in order,
+        making zero residuals for tensors without one; a compressor updates them in place
+        (then :meth:`touch`)."""
+        out = []
+        for name, size, lo, hi, tlo in segments(ctx, buf.size):
+            r = self.residuals.get(name)
+            if r is None or r.size != size or type(r) is not np.ndarray:
+                r = self.residuals[name] = np.zeros(size, np.float32) if r is None or \
+                    r.size != size else host_copy(r).astype(np.float32)
+            out.append((lo, r[tlo:tlo + hi - lo]))
+        return out
 
     def touch(self, ctx: BucketContext, names: Iterable[str] | None = None) -> None:
         """``names`` (default: the tensors of ``ctx``) were seen at ``ctx``'s step; drop the

@@ -20,7 +20,7 @@ from ..algorithms._ops import array_module
 from . import register
 from .base import BucketContext
 from .gpu import codec_module
-from .memory import ResidualMemory
+from .memory import ResidualMemory, segments
 
 
 class TopKCompressor:
@@ -65,12 +65,12 @@ class TopKCompressor:
             raise ConfigError(f"topk: bucket of {n} elements exceeds int32 indices; "
                               "lower the fusion threshold")
         xp, codecs = array_module(buf), codec_module(buf)
-        res = self.memory.whole(buf, ctx) if self.error_feedback and xp is np else None
-        if res is not None:     # one tensor with a residual: one pass (kernels/sparse.ef_topk)
+        parts = self.memory.parts(buf, ctx) if self.error_feedback and xp is np else None
+        if parts and sum(r.size for _, r in parts) == n:   # one pass (kernels/sparse.ef_topk)
             from ..kernels.sparse import ef_topk
 
-            idx, vals = ef_topk(buf, res, self.k_for(n))
-            self.memory.touch(ctx)
+            idx, vals = ef_topk(buf, parts, self.k_for(n))
+            self.memory.touch(ctx, [name for name, *_ in segments(ctx, n)])
             idx = idx.astype(np.int32)
         else:
             idx, vals = self.compress(buf, ctx)

@@ -224,41 +224,65 @@ def topk_indices(x: np.ndarray, k: int) -> np.ndarray:
     return _exact(x, np.arange(n, dtype=np.int64), k)
 
 
-def ef_topk(buf: np.ndarray, res: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-    """Error feedback and top-k selection in one pass over memory (float32 host arrays of the
-    same size): ``res += buf``, ``buf`` zeroed, and the ``k`` largest ``|res|`` taken out of
-    ``res`` (zeroed there). Returns their indices (ascending, int64, exactly those of
-    ``topk_indices(buf + res, k)``) and values.
+def ef_topk(buf: np.ndarray, res: Any, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """Error feedback and top-k selection in one pass over memory: ``res += buf``, ``buf``
+    zeroed, and the ``k`` largest ``|res|`` taken out of ``res`` (zeroed there). Returns their
+    indices into ``buf`` (ascending, int64, exactly those of ``topk_indices(buf + res, k)``)
+    and values. ``res`` is a float32 host array like ``buf``, or a list of ``(start, array)``
+    that covers ``buf`` in order (each tensor's residual in a fused bucket).
 
     TopK with error feedback otherwise goes over the whole buffer six times (add the residual,
     find candidates, store the residual, zero the output); on this machine's ~5 GB/s per core
     that was 14 ms for 5 M floats, this pass and the exact step take about half (7.5 ms).
     """
+    parts = [(0, res)] if isinstance(res, np.ndarray) else list(res)
+    starts = [lo for lo, _ in parts]
     n = buf.size
     k, trivial = trivial_topk(n, k, np)
     pos = SAMPLE - int(math.ceil(1.25 * k * SAMPLE / n)) - 1 if n > 4 * SAMPLE else 0
-    if trivial is not None or not HAVE_NUMBA or pos <= 0:
-        np.add(buf, res, out=res)
-        buf.fill(0.0)
-        idx = topk_indices(res, k) if trivial is None else trivial
-    else:
-        at = _rng.integers(0, n, SAMPLE)
-        sample = np.abs(buf[at] + res[at])
+    if trivial is None and HAVE_NUMBA and pos > 0:
+        at = np.sort(_rng.integers(0, n, SAMPLE))
+        sample = buf[at]
+        cuts = np.searchsorted(at, starts + [n])
+        for (lo, r), a, b in zip(parts, cuts[:-1], cuts[1:]):
+            sample[a:b] += r[at[a:b] - lo]
+        sample = np.abs(sample)
         sample[np.isnan(sample)] = np.inf
         sample.sort()
-        want = int(1.25 * k)
-        cidx = np.empty(2 * want + 64, np.int64)
-        cval = np.empty(cidx.size, np.float32)
-        got = _ef_gather(buf, res, np.float32(sample[pos]), cidx, cval)
-        if k <= got <= min(cidx.size, 8 * k):
+        t = np.float32(sample[pos])
+        cap = 2 * int(1.25 * k) + 64
+        cidx = np.empty(cap, np.int64)
+        cval = np.empty(cap, np.float32)
+        got = 0
+        for lo, r in parts:
+            room = min(max(cap - got, 0), r.size)
+            g = _ef_gather(buf[lo:lo + r.size], r, t, cidx[got:got + room],
+                           cval[got:got + room])
+            cidx[got:got + min(g, room)] += lo
+            got += g
+        if k <= got <= min(cap, 8 * k):
             keep = _largest(cval[:got], k) if got > k else slice(None)
             idx, vals = cidx[:got][keep], cval[:got][keep]
-            res[idx] = 0.0
+            _zero_at(parts, starts, n, idx)
             return idx, vals
-        idx = topk_indices(res, k)    # the estimate missed: select again from the sums
-    vals = res[idx]
-    res[idx] = 0.0
+        sums = parts[0][1] if len(parts) == 1 else np.concatenate([r for _, r in parts])
+        idx = topk_indices(sums, k)    # the estimate missed: select again from the sums
+    else:
+        for lo, r in parts:
+            np.add(buf[lo:lo + r.size], r, out=r)
+        buf.fill(0.0)
+        sums = parts[0][1] if len(parts) == 1 else np.concatenate([r for _, r in parts])
+        idx = topk_indices(sums, k) if trivial is None else trivial
+    vals = sums[idx]
+    _zero_at(parts, starts, n, idx)
     return idx, vals
+
+
+def _zero_at(parts: list, starts: list[int], n: int, idx: np.ndarray) -> None:
+    """Zero the residual entries at (ascending) buffer positions ``idx``."""
+    cuts = np.searchsorted(idx, starts + [n])
+    for (lo, r), a, b in zip(parts, cuts[:-1], cuts[1:]):
+        r[idx[a:b] - lo] = 0.0
 
 
 def scatter_add(idx: np.ndarray, vals: np.ndarray, out: np.ndarray) -> None:
