@@ -40,6 +40,12 @@ def test_ordered_streams_unnamed_and_shared(np_, overlap):
     assert out.count("ordered ok") == np_, out
 
 
+@pytest.mark.parametrize("np_,overlap", [(2, "1"), (3, "0")])
+def test_negotiation_continues_during_a_long_exchange(np_, overlap):
+    out = run_mpi(np_, [W + "pump.py"], env={"LCC_OVERLAP": overlap}).stdout
+    assert out.count("pump ok") == np_, out
+
+
 @pytest.mark.parametrize("overlap", ["0", "1"])
 def test_background_thread_alone_completes_without_missed_wakeups(overlap):
     out = run_mpi(2, [W + "background_only.py"], env={"LCC_OVERLAP": overlap}).stdout
