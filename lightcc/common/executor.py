@@ -96,6 +96,8 @@ def allreduce_bucket(group: Group, resps: list[Response],
     if spec != "none":   # the same for every tensor of the bucket (it is in the fusion key)
         comp = faults.wrap_compressor(group.compressor(spec))
     direct = (len(resps) == 1 and rdt == dtypes.SUPPORTED[req.dtype] and entries[0] is not None)
+    if not direct and _takes_parts(group, req, comp, entries, total):
+        return _allreduce_parts(group, resps, entries, comp, sizes, t0)
     if direct:
         entry = entries[0]
         if entry.out is not None and entry.out.flags.c_contiguous and entry.out.dtype == rdt:
@@ -178,6 +180,56 @@ def allreduce_bucket(group: Group, resps: list[Response],
         tracer.span(_bucket_label(resps), "UNPACK", t2, t3, tensors=len(resps))
         _trace_members(tracer, resps, t0, t3)
     return results
+
+
+def _takes_parts(group: Group, req: Any, comp: Any, entries: list, total: int) -> bool:
+    """Whether a fused bucket is reduced as its tensors, without packing (``_allreduce_parts``):
+    a compressor that can (TopK with error feedback), float32 tensors written in place,
+    and an algorithm that hands the compressor the whole bucket over the world."""
+    if comp is None or not getattr(comp, "takes_parts", False) or faults.enabled():
+        return False
+    if req.dtype != "float32" or req.prescale != 1.0 or \
+            dtypes.backend_op(req.op, req.dtype) != "sum":
+        return False
+    for e in entries:
+        if e is None or e.out is None or e.out.dtype != np.float32 or \
+                not e.out.flags.c_contiguous:
+            return False
+    name = algorithms.choose(group.algorithm, 4 * total, group.topo, group.settings.auto)
+    return name in ("flat", "ring")
+
+
+def _allreduce_parts(group: Group, resps: list[Response], entries: list, comp: Any,
+                     sizes: list[int], t0: float) -> list[Any]:
+    """A fused bucket reduced without packing: the compressor works on the tensors' own memory
+    (``allreduce_parts``), with the results, residuals and wire bytes of the packed path. Saves
+    copying the bucket in and out (resmlp's 25 MB TopK bucket: ~8 ms of a 90 ms step at 1
+    Gbit)."""
+    req = resps[0].request
+    outs = []
+    for e in entries:
+        if e.out is not e.array:
+            np.copyto(e.out, e.array)
+        outs.append(e.out.reshape(-1))
+    offsets = displacements(sizes)
+    names = tuple(r.request.name if e.request is None else e.request.name
+                  for r, e in zip(resps, entries))
+    bctx = BucketContext(names, tuple(offsets), tuple(sizes), 0, group.step,
+                         tuple(r.request.shape for r in resps))
+    tracer = group.tracer
+    t1 = time.perf_counter() if tracer.enabled else 0.0
+    comp.allreduce_parts(group.topo.world, list(zip(offsets, outs)), bctx)
+    factor = _float_factor(req.op, group.topo.size, req.postscale)
+    if factor != 1.0:
+        for out in outs:
+            np.multiply(out, np.float32(factor), out=out)
+    if tracer.enabled:
+        t2 = time.perf_counter()
+        label = _bucket_label(resps)
+        tracer.span(label, "COMPRESSED_ALLREDUCE", t1, t2, algorithm="parts",
+                    compressor=getattr(comp, "name", ""), bytes=4 * sum(sizes))
+        _trace_members(tracer, resps, t0, t2)
+    return [e.out for e in entries]
 
 
 def _alone(entry: LocalEntry) -> Any:

@@ -369,3 +369,30 @@ def test_topk_allreduce_matches_numpy_error_feedback(sizes):
             np.testing.assert_array_equal(bufs[r], want)
             kept = np.concatenate([comps[r].memory.residuals[name] for name in ctx.names])
             np.testing.assert_array_equal(kept, residual[r])
+
+
+def test_topk_parts_equal_the_packed_bucket_bitwise():
+    """allreduce_parts on a bucket's tensors (never packed) gives the packed allreduce's
+    sums and residuals, bit for bit, step after step."""
+    from tests.doubles.fake_nccl import run_ranks, thread_worlds
+
+    p, sizes, steps = 3, (50_000, 3, 120_000, 9_000), 3
+    ctx = _ctx(sizes)
+    starts = list(ctx.offsets)
+    packed = [compression.make("topk:0.01") for _ in range(p)]
+    parted = [compression.make("topk:0.01") for _ in range(p)]
+    assert all(c.takes_parts for c in parted)
+    assert not compression.make("topk:0.01:noef").takes_parts
+    w1, w2 = thread_worlds(p), thread_worlds(p)
+    for _ in range(steps):
+        grads = [RNG.standard_normal(sum(sizes)).astype(np.float32) for _ in range(p)]
+        bufs = [g.copy() for g in grads]
+        run_ranks(p, lambda r: packed[r].allreduce(w1[r], bufs[r], ctx))
+        tensors = [[g[a:a + s].copy() for a, s in zip(starts, sizes)] for g in grads]
+        run_ranks(p, lambda r: parted[r].allreduce_parts(
+            w2[r], list(zip(starts, tensors[r])), ctx))
+        for r in range(p):
+            np.testing.assert_array_equal(np.concatenate(tensors[r]), bufs[r])
+            for name in ctx.names:
+                np.testing.assert_array_equal(parted[r].memory.residuals[name],
+                                              packed[r].memory.residuals[name])

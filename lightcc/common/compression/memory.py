@@ -76,12 +76,12 @@ class ResidualMemory:
             r[tlo:tlo + hi - lo] = residual[lo:hi]
         self.touch(ctx, names)
 
-    def parts(self, buf: np.ndarray, ctx: BucketContext) -> list[tuple[int, np.ndarray]]:
-        """``(start in buf, residual view)`` for each tensor in the (host) buffer, in order,
-        making zero residuals for tensors without one; a compressor updates them in place
-        (then :meth:`touch`)."""
+    def parts(self, n: int, ctx: BucketContext) -> list[tuple[int, np.ndarray]]:
+        """``(start in the buffer, residual view)`` for each tensor in a host buffer of ``n``
+        elements, in order, making zero residuals for tensors without one; a compressor
+        updates them in place (then :meth:`touch`)."""
         out = []
-        for name, size, lo, hi, tlo in segments(ctx, buf.size):
+        for name, size, lo, hi, tlo in segments(ctx, n):
             r = self.residuals.get(name)
             if r is None or r.size != size or type(r) is not np.ndarray:
                 r = self.residuals[name] = np.zeros(size, np.float32) if r is None or \

@@ -56,25 +56,50 @@ class TopKCompressor:
             self.memory.store(buf, ctx)
         return idx.astype(np.int32), vals
 
+    @property
+    def takes_parts(self) -> bool:
+        """Whether :meth:`allreduce_parts` may be used (it needs the residuals)."""
+        return self.error_feedback
+
     def allreduce(self, comm: Communicator, buf: np.ndarray, ctx: BucketContext) -> None:
         """Sum over ``comm`` of every rank's top-k, in place (a single rank is exact)."""
         n, p = buf.size, comm.size
         if p == 1 or n == 0:
             return
-        if n >= 2 ** 31:
-            raise ConfigError(f"topk: bucket of {n} elements exceeds int32 indices; "
-                              "lower the fusion threshold")
+        _check_size(n)
         xp, codecs = array_module(buf), codec_module(buf)
-        parts = self.memory.parts(buf, ctx) if self.error_feedback and xp is np else None
+        parts = self.memory.parts(n, ctx) if self.error_feedback and xp is np else None
         if parts and sum(r.size for _, r in parts) == n:   # one pass (kernels/sparse.ef_topk)
             from ..kernels.sparse import ef_topk
 
             idx, vals = ef_topk(buf, parts, self.k_for(n))
             self.memory.touch(ctx, [name for name, *_ in segments(ctx, n)])
-            idx = idx.astype(np.int32)
         else:
             idx, vals = self.compress(buf, ctx)
             buf[:] = 0.0
+        self._exchange(comm, idx, vals, buf, xp, codecs)
+
+    def allreduce_parts(self, comm: Communicator, bufs: list[tuple[int, np.ndarray]],
+                        ctx: BucketContext) -> None:
+        """:meth:`allreduce` of a host bucket held as its tensors, ``(start, 1-D float32
+        array)`` in order, never packed into one buffer: the same result and residuals,
+        bitwise. Needs error feedback (:attr:`takes_parts`)."""
+        from ..kernels import sparse
+
+        n, p = sum(b.size for _, b in bufs), comm.size
+        if p == 1 or n == 0:
+            return
+        _check_size(n)
+        idx, vals = sparse.ef_topk(bufs, self.memory.parts(n, ctx), self.k_for(n))
+        self.memory.touch(ctx, [name for name, *_ in segments(ctx, n)])
+        self._exchange(comm, idx, vals, bufs, np, sparse)
+
+    def _exchange(self, comm: Communicator, idx: Any, vals: Any, out: Any, xp: Any,
+                  codecs: Any) -> None:
+        """Allgather every rank's pairs and scatter-add them, in rank order, into ``out``
+        (zeroed: a buffer, or a list of host parts)."""
+        p = comm.size
+        idx = idx.astype(np.int32)
         k = self.last_k = idx.size
         pack = xp.empty(8 * k, np.uint8)
         pack[:4 * k] = idx.view(np.uint8)
@@ -84,7 +109,7 @@ class TopKCompressor:
         check = {} if xp is np else {"check": False}   # the GPU kernel skips bad indices
         for r in range(p):
             part = allp[8 * k * r:8 * k * (r + 1)]
-            codecs.scatter_add(part[:4 * k].view(np.int32), part[4 * k:].view(np.float32), buf,
+            codecs.scatter_add(part[:4 * k].view(np.int32), part[4 * k:].view(np.float32), out,
                                **check)
 
     def wire_bytes(self, numel: int, nranks: int) -> int:
@@ -96,6 +121,12 @@ class TopKCompressor:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.memory.load_state_dict(state.get("residuals", {}))
+
+
+def _check_size(n: int) -> None:
+    if n >= 2 ** 31:
+        raise ConfigError(f"topk: bucket of {n} elements exceeds int32 indices; "
+                          "lower the fusion threshold")
 
 
 def make_topk(options: list[str]) -> TopKCompressor:

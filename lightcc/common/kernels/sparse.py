@@ -229,7 +229,8 @@ def ef_topk(buf: np.ndarray, res: Any, k: int) -> tuple[np.ndarray, np.ndarray]:
     zeroed, and the ``k`` largest ``|res|`` taken out of ``res`` (zeroed there). Returns their
     indices into ``buf`` (ascending, int64, exactly those of ``topk_indices(buf + res, k)``)
     and values. ``res`` is a float32 host array like ``buf``, or a list of ``(start, array)``
-    that covers ``buf`` in order (each tensor's residual in a fused bucket).
+    that covers ``buf`` in order (each tensor's residual in a fused bucket). ``buf`` may itself
+    be such a list, part for part with ``res`` (the bucket's tensors, never packed).
 
     TopK with error feedback otherwise goes over the whole buffer six times (add the residual,
     find candidates, store the residual, zero the output); on this machine's ~5 GB/s per core
@@ -237,15 +238,22 @@ def ef_topk(buf: np.ndarray, res: Any, k: int) -> tuple[np.ndarray, np.ndarray]:
     """
     parts = [(0, res)] if isinstance(res, np.ndarray) else list(res)
     starts = [lo for lo, _ in parts]
-    n = buf.size
+    if isinstance(buf, np.ndarray):
+        n = buf.size
+        bufs = [buf[lo:lo + r.size] for lo, r in parts]
+    else:
+        bufs = [b for _, b in buf]
+        n = sum(b.size for b in bufs)
+        assert [lo for lo, _ in buf] == starts and all(
+            b.size == r.size for b, (_, r) in zip(bufs, parts)), "parts of buf and res differ"
     k, trivial = trivial_topk(n, k, np)
     pos = SAMPLE - int(math.ceil(1.25 * k * SAMPLE / n)) - 1 if n > 4 * SAMPLE else 0
     if trivial is None and HAVE_NUMBA and pos > 0:
         at = np.sort(_rng.integers(0, n, SAMPLE))
-        sample = buf[at]
         cuts = np.searchsorted(at, starts + [n])
-        for (lo, r), a, b in zip(parts, cuts[:-1], cuts[1:]):
-            sample[a:b] += r[at[a:b] - lo]
+        sample = np.empty(SAMPLE, np.float32)
+        for (lo, r), seg, a, b in zip(parts, bufs, cuts[:-1], cuts[1:]):
+            sample[a:b] = seg[at[a:b] - lo] + r[at[a:b] - lo]
         sample = np.abs(sample)
         sample[np.isnan(sample)] = np.inf
         sample.sort()
@@ -254,10 +262,9 @@ def ef_topk(buf: np.ndarray, res: Any, k: int) -> tuple[np.ndarray, np.ndarray]:
         cidx = np.empty(cap, np.int64)
         cval = np.empty(cap, np.float32)
         got = 0
-        for lo, r in parts:
+        for (lo, r), seg in zip(parts, bufs):
             room = min(max(cap - got, 0), r.size)
-            g = _ef_gather(buf[lo:lo + r.size], r, t, cidx[got:got + room],
-                           cval[got:got + room])
+            g = _ef_gather(seg, r, t, cidx[got:got + room], cval[got:got + room])
             cidx[got:got + min(g, room)] += lo
             got += g
         if k <= got <= min(cap, 8 * k):
@@ -268,9 +275,9 @@ def ef_topk(buf: np.ndarray, res: Any, k: int) -> tuple[np.ndarray, np.ndarray]:
         sums = parts[0][1] if len(parts) == 1 else np.concatenate([r for _, r in parts])
         idx = topk_indices(sums, k)    # the estimate missed: select again from the sums
     else:
-        for lo, r in parts:
-            np.add(buf[lo:lo + r.size], r, out=r)
-        buf.fill(0.0)
+        for (_, r), seg in zip(parts, bufs):
+            np.add(seg, r, out=r)
+            seg.fill(0.0)
         sums = parts[0][1] if len(parts) == 1 else np.concatenate([r for _, r in parts])
         idx = topk_indices(sums, k) if trivial is None else trivial
     vals = sums[idx]
@@ -285,8 +292,15 @@ def _zero_at(parts: list, starts: list[int], n: int, idx: np.ndarray) -> None:
         r[idx[a:b] - lo] = 0.0
 
 
-def scatter_add(idx: np.ndarray, vals: np.ndarray, out: np.ndarray) -> None:
-    """``out[idx[j]] += vals[j]`` in order of ``j`` (repeated indices add up)."""
+def scatter_add(idx: np.ndarray, vals: np.ndarray, out: Any) -> None:
+    """``out[idx[j]] += vals[j]`` in order of ``j`` (repeated indices add up). ``out`` may be a
+    list of ``(start, array)`` covering the buffer in order; ``idx`` is then ascending."""
+    if not isinstance(out, np.ndarray):
+        cuts = np.searchsorted(idx, [lo for lo, _ in out] + [np.iinfo(np.int64).max])
+        for (lo, arr), a, b in zip(out, cuts[:-1], cuts[1:]):
+            if b > a:
+                scatter_add(idx[a:b] - lo, vals[a:b], arr)
+        return
     if HAVE_NUMBA:
         _scatter_add(idx, vals, out)
     else:

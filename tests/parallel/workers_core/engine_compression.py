@@ -64,5 +64,21 @@ for spec in ("fp16", "topk"):
     crc = zlib.crc32(b"".join(g.tobytes() for g in got))
     crcs = lcc.allgather(np.array([crc], np.int64), name=f"crc.direct.{spec}")
     assert len(set(crcs.tolist())) == 1, f"direct {spec}: ranks differ"
+# a fused TopK bucket reduced in place (out=: the tensors themselves, never packed) gives the
+# packed bucket's results bit for bit, step after step
+shapes = [(300, 200), (7,), (50_000,), (90, 90)]
+for step in range(3):
+    rng = np.random.default_rng(77 + 10 * step + R)
+    data = [rng.standard_normal(s).astype(np.float32) for s in shapes]
+    packed = [lcc.allreduce_async(x.copy(), op=lcc.Sum, name=f"tk.packed.{i}",
+                                  compression="topk") for i, x in enumerate(data)]
+    packed = [lcc.synchronize(h) for h in packed]
+    ins = [x.copy() for x in data]
+    hs = [lcc.allreduce_async(x, op=lcc.Sum, name=f"tk.parts.{i}", compression="topk", out=x)
+          for i, x in enumerate(ins)]
+    got = [lcc.synchronize(h) for h in hs]
+    for g, x, want in zip(got, ins, packed):
+        assert g is x or np.shares_memory(g, x), "in-place result is not the input's memory"
+        assert np.array_equal(g, want), "parts and packed TopK differ"
 print(f"rank {R}: engine compression ok", flush=True)
 lcc.shutdown()
