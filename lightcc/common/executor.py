@@ -121,11 +121,8 @@ def allreduce_bucket(group: Group, resps: list[Response],
         buf *= req.prescale
     elif req.prescale != 1.0 and req.dtype in dtypes.INTEGER:
         dtypes.scale_integers(buf, req.prescale)
-    offsets = displacements(sizes)
-    names = tuple(r.request.name if e is None or e.request is None else e.request.name
-                  for r, e in zip(resps, entries))
-    bctx = BucketContext(names, tuple(offsets), tuple(sizes),
-                         0, group.step, tuple(r.request.shape for r in resps))
+    bctx = _bucket_context(group, resps, entries, sizes)
+    offsets = bctx.offsets
     tracer = group.tracer
     t1 = time.perf_counter() if tracer.enabled else 0.0
     if faults.enabled():
@@ -182,6 +179,16 @@ def allreduce_bucket(group: Group, resps: list[Response],
     return results
 
 
+def _bucket_context(group: Group, resps: list[Response], entries: list,
+                    sizes: list[int]) -> BucketContext:
+    """Where each tensor of a bucket lies in it, and its name (this rank's own request's name
+    where it has one: it labels errors and error-feedback state)."""
+    names = tuple(r.request.name if e is None or e.request is None else e.request.name
+                  for r, e in zip(resps, entries))
+    return BucketContext(names, tuple(displacements(sizes)), tuple(sizes), 0, group.step,
+                         tuple(r.request.shape for r in resps))
+
+
 def _takes_parts(group: Group, req: Any, comp: Any, entries: list, total: int) -> bool:
     """Whether a fused bucket is reduced as its tensors, without packing (``_allreduce_parts``):
     a compressor that can (TopK with error feedback), float32 tensors written in place,
@@ -211,14 +218,10 @@ def _allreduce_parts(group: Group, resps: list[Response], entries: list, comp: A
         if e.out is not e.array:
             np.copyto(e.out, e.array)
         outs.append(e.out.reshape(-1))
-    offsets = displacements(sizes)
-    names = tuple(r.request.name if e.request is None else e.request.name
-                  for r, e in zip(resps, entries))
-    bctx = BucketContext(names, tuple(offsets), tuple(sizes), 0, group.step,
-                         tuple(r.request.shape for r in resps))
+    bctx = _bucket_context(group, resps, entries, sizes)
     tracer = group.tracer
     t1 = time.perf_counter() if tracer.enabled else 0.0
-    comp.allreduce_parts(group.topo.world, list(zip(offsets, outs)), bctx)
+    comp.allreduce_parts(group.topo.world, list(zip(bctx.offsets, outs)), bctx)
     factor = _float_factor(req.op, group.topo.size, req.postscale)
     if factor != 1.0:
         for out in outs:

@@ -83,9 +83,10 @@ class ResidualMemory:
         out = []
         for name, size, lo, hi, tlo in segments(ctx, n):
             r = self.residuals.get(name)
-            if r is None or r.size != size or type(r) is not np.ndarray:
-                r = self.residuals[name] = np.zeros(size, np.float32) if r is None or \
-                    r.size != size else host_copy(r).astype(np.float32)
+            if r is None or r.size != size:
+                r = self.residuals[name] = np.zeros(size, np.float32)
+            elif type(r) is not np.ndarray:           # the tensor moved from the GPU
+                r = self.residuals[name] = host_copy(r).astype(np.float32)
             out.append((lo, r[tlo:tlo + hi - lo]))
         return out
 

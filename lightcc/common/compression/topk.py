@@ -68,12 +68,9 @@ class TopKCompressor:
             return
         _check_size(n)
         xp, codecs = array_module(buf), codec_module(buf)
-        parts = self.memory.parts(n, ctx) if self.error_feedback and xp is np else None
-        if parts and sum(r.size for _, r in parts) == n:   # one pass (kernels/sparse.ef_topk)
-            from ..kernels.sparse import ef_topk
-
-            idx, vals = ef_topk(buf, parts, self.k_for(n))
-            self.memory.touch(ctx, [name for name, *_ in segments(ctx, n)])
+        if self.error_feedback and xp is np and \
+                sum(hi - lo for _, _, lo, hi, _ in segments(ctx, n)) == n:
+            idx, vals = self._select(buf, n, ctx)    # one pass (kernels/sparse.ef_topk)
         else:
             idx, vals = self.compress(buf, ctx)
             buf[:] = 0.0
@@ -90,9 +87,18 @@ class TopKCompressor:
         if p == 1 or n == 0:
             return
         _check_size(n)
-        idx, vals = sparse.ef_topk(bufs, self.memory.parts(n, ctx), self.k_for(n))
-        self.memory.touch(ctx, [name for name, *_ in segments(ctx, n)])
+        idx, vals = self._select(bufs, n, ctx)
         self._exchange(comm, idx, vals, bufs, np, sparse)
+
+    def _select(self, buf: Any, n: int, ctx: BucketContext) -> tuple[np.ndarray, np.ndarray]:
+        """Error feedback and top-k over a host buffer of ``n`` elements (an array, or its
+        tensors as ``(start, array)``) in one pass, each tensor's residual updated in place."""
+        from ..kernels.sparse import ef_topk
+
+        parts = self.memory.parts(n, ctx)
+        idx, vals = ef_topk(buf, parts, self.k_for(n))
+        self.memory.touch(ctx, [name for name, *_ in segments(ctx, n)])
+        return idx, vals
 
     def _exchange(self, comm: Communicator, idx: Any, vals: Any, out: Any, xp: Any,
                   codecs: Any) -> None:

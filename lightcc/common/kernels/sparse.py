@@ -250,9 +250,8 @@ def ef_topk(buf: np.ndarray, res: Any, k: int) -> tuple[np.ndarray, np.ndarray]:
     pos = SAMPLE - int(math.ceil(1.25 * k * SAMPLE / n)) - 1 if n > 4 * SAMPLE else 0
     if trivial is None and HAVE_NUMBA and pos > 0:
         at = np.sort(_rng.integers(0, n, SAMPLE))
-        cuts = np.searchsorted(at, starts + [n])
         sample = np.empty(SAMPLE, np.float32)
-        for (lo, r), seg, a, b in zip(parts, bufs, cuts[:-1], cuts[1:]):
+        for (lo, r), seg, (a, b) in zip(parts, bufs, _by_part(at, starts)):
             sample[a:b] = seg[at[a:b] - lo] + r[at[a:b] - lo]
         sample = np.abs(sample)
         sample[np.isnan(sample)] = np.inf
@@ -270,25 +269,30 @@ def ef_topk(buf: np.ndarray, res: Any, k: int) -> tuple[np.ndarray, np.ndarray]:
         if k <= got <= min(cap, 8 * k):
             keep = _largest(cval[:got], k) if got > k else slice(None)
             idx, vals = cidx[:got][keep], cval[:got][keep]
-            _zero_at(parts, starts, n, idx)
+            _zero_at(parts, starts, idx)
             return idx, vals
-        sums = parts[0][1] if len(parts) == 1 else np.concatenate([r for _, r in parts])
-        idx = topk_indices(sums, k)    # the estimate missed: select again from the sums
+        # the estimate missed: select again, from the sums the pass left in the residuals
     else:
         for (_, r), seg in zip(parts, bufs):
             np.add(seg, r, out=r)
             seg.fill(0.0)
-        sums = parts[0][1] if len(parts) == 1 else np.concatenate([r for _, r in parts])
-        idx = topk_indices(sums, k) if trivial is None else trivial
+    sums = parts[0][1] if len(parts) == 1 else np.concatenate([r for _, r in parts])
+    idx = topk_indices(sums, k) if trivial is None else trivial
     vals = sums[idx]
-    _zero_at(parts, starts, n, idx)
+    _zero_at(parts, starts, idx)
     return idx, vals
 
 
-def _zero_at(parts: list, starts: list[int], n: int, idx: np.ndarray) -> None:
+def _by_part(pos: np.ndarray, starts: list[int]) -> Any:
+    """``(a, b)`` per part: ``pos[a:b]`` are the ascending buffer positions ``pos`` that fall
+    in the part (parts start at ``starts``, in order, the first at 0)."""
+    cuts = np.searchsorted(pos, starts[1:]).tolist()
+    return zip([0, *cuts], [*cuts, pos.size])
+
+
+def _zero_at(parts: list, starts: list[int], idx: np.ndarray) -> None:
     """Zero the residual entries at (ascending) buffer positions ``idx``."""
-    cuts = np.searchsorted(idx, starts + [n])
-    for (lo, r), a, b in zip(parts, cuts[:-1], cuts[1:]):
+    for (lo, r), (a, b) in zip(parts, _by_part(idx, starts)):
         r[idx[a:b] - lo] = 0.0
 
 
@@ -296,8 +300,7 @@ def scatter_add(idx: np.ndarray, vals: np.ndarray, out: Any) -> None:
     """``out[idx[j]] += vals[j]`` in order of ``j`` (repeated indices add up). ``out`` may be a
     list of ``(start, array)`` covering the buffer in order; ``idx`` is then ascending."""
     if not isinstance(out, np.ndarray):
-        cuts = np.searchsorted(idx, [lo for lo, _ in out] + [np.iinfo(np.int64).max])
-        for (lo, arr), a, b in zip(out, cuts[:-1], cuts[1:]):
+        for (lo, arr), (a, b) in zip(out, _by_part(idx, [lo for lo, _ in out])):
             if b > a:
                 scatter_add(idx[a:b] - lo, vals[a:b], arr)
         return
