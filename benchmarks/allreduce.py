@@ -1,4 +1,5 @@
-"""Allreduce latency and bus bandwidth: lightcc (through the engine) vs raw mpi4py vs
+"""Allreduce latency and bus bandwidth: lightcc (named: through the engine; unnamed: the
+direct path up to LCC_DIRECT_BYTES, through the NumPy and the torch API) vs raw mpi4py vs
 torch.distributed (gloo), side by side, in one run.
 
     lccrun -np 2 python benchmarks/allreduce.py            # or: mpirun -np 2 python ...
@@ -92,6 +93,11 @@ def main() -> None:
         res["mpi4py"] = timed(lambda: comm.Allreduce(x, out, op=MPI.SUM), nbytes, budget, comm)
         if dist is not None:
             t = torch.from_numpy(x.copy())
+            import lightcc.torch as lcc_torch
+
+            # the Horovod-style torch API, unnamed (hvd.allreduce(tensor) in a script)
+            res["lightcc.torch-unnamed"] = timed(lambda: lcc_torch.allreduce(t, op=lcc.Sum),
+                                                 nbytes, budget, comm)
             res["gloo"] = timed(lambda: dist.all_reduce(t), nbytes, budget, comm)
         rows.append((nbytes, res))
         if rank == 0:
@@ -111,13 +117,14 @@ def fmt_size(n: int) -> str:
 
 
 def print_table(rows, n: int) -> None:
-    libs = [k for k in ("lightcc", "lightcc-unnamed", "mpi4py", "gloo") if k in rows[0][1]]
+    libs = [k for k in ("lightcc", "lightcc-unnamed", "lightcc.torch-unnamed", "mpi4py", "gloo")
+            if k in rows[0][1]]
     peers = [lib for lib in libs if not lib.startswith("lightcc")]
     factor = 2 * (n - 1) / n
     head = ["size"] + [f"{lib} p50 us" for lib in libs] + [f"{lib} busbw GB/s" for lib in libs]
     head += [f"lightcc/{lib} bw" for lib in peers]
     if "gloo" in peers:
-        head.append("unnamed p50 / gloo p50")
+        head += ["unnamed p50 / gloo p50", "torch unnamed p50 / gloo p50"]
     print(f"allreduce float32 sum, {n} ranks, host {socket.gethostname()}, "
           f"pid-local time, p50")
     print("| " + " | ".join(head) + " |")
@@ -128,6 +135,7 @@ def print_table(rows, n: int) -> None:
         ratio = [f"{bw[0] / bw[libs.index(lib)]:.2f}x" for lib in peers]
         if "gloo" in peers:
             ratio.append(f"{res['lightcc-unnamed'] / res['gloo']:.2f}x")
+            ratio.append(f"{res['lightcc.torch-unnamed'] / res['gloo']:.2f}x")
         print("| " + " | ".join([fmt_size(nbytes), *lat, *(f"{b:.2f}" for b in bw), *ratio])
               + " |")
 

@@ -22,12 +22,13 @@ import logging
 import os
 import sys
 import threading
+import time
 from typing import Any, Sequence
 
 import numpy as np
 
 from . import config as config_mod
-from . import device, dtypes
+from . import device, direct, dtypes
 from .device import DeviceTensor
 from .engine import Engine, Handle
 from .exceptions import (InvalidArgumentError, LightCCError, NotInitializedError,
@@ -455,11 +456,53 @@ def allreduce(array: Any, op: str | None = None, name: str | None = None,
               out: np.ndarray | None = None, *, ordered: bool = False) -> np.ndarray:
     """Reduce ``array`` over the process set and return the result (default op: Average).
 
-    With ``out`` the result is written there (``out`` may be ``array``) and returned.
+    With ``out`` the result is written there (``out`` may be ``array``) and returned. Without
+    a name, the ranks' calls are checked against each other on this thread first, and a small
+    host array is reduced there too (the direct path: ``direct.py``, ``LCC_DIRECT_BYTES``).
     """
+    if name is None and not ordered:
+        result = allreduce_direct(array, op, prescale_factor, postscale_factor, process_set,
+                                  compression, out)
+        if result is not None:
+            return result
     return synchronize(allreduce_async(array, op, name, prescale_factor, postscale_factor,
                                        process_set, compression, out, ordered=ordered,
                                        _wake=False))
+
+
+def allreduce_direct(array: Any, op: str | None, prescale_factor: float,
+                     postscale_factor: float, process_set: Any, compression: Any,
+                     out: Any) -> Any:
+    """A blocking unnamed allreduce, first checked against the other ranks' on the calling
+    thread (see ``direct.py``): the result when it qualifies for the direct path (host memory,
+    at most LCC_DIRECT_BYTES, no compressor that would apply), else None after the check
+    (the caller then submits it to the engine), or None at once when the process set has no
+    direct path. Raises for bad input as the engine would, and MismatchError on every rank
+    when the ranks' calls differ."""
+    eng = _get()
+    group = eng.groups.get(_pset_id(process_set))
+    if group is None or group.direct is None:
+        return None
+    arr = _as_array(array, "allreduce")
+    eng._check_alive()
+    dt = dtypes.name_of(arr.dtype)
+    what = "unnamed allreduce"
+    op_ = _op(op, Average, what, dt)
+    pre, post = _scales(prescale_factor, postscale_factor, dt, what)
+    spec = _compression_spec(compression)
+    host = type(arr) is not DeviceTensor
+    if host:
+        _check_out(out, arr, what)
+    here = host and direct.eligible(arr.nbytes, spec, group.min_compress_bytes,
+                                    eng.config.direct_bytes)
+    tracer = group.tracer
+    t0 = time.perf_counter() if tracer.enabled else 0.0
+    result = group.direct.allreduce(arr, op_, dt, pre, post, spec, out, eng, here,
+                                    "host" if host else "GPU")
+    if tracer.enabled and here:
+        tracer.span("allreduce.direct", "DIRECT_ALLREDUCE", t0, time.perf_counter(),
+                    bytes=int(arr.nbytes), dtype=dt, op=op_)
+    return result
 
 
 class GroupHandle:
@@ -666,7 +709,11 @@ def join() -> int:
     zeros (and of allgathers empty). Returns the last rank to join."""
     eng = _get()
     eng._joined = True
-    return synchronize(eng.submit(Request(Coll.JOIN, "join")))
+    handle = eng.submit(Request(Coll.JOIN, "join"))
+    path = eng.groups[0].direct
+    if path is not None:    # meanwhile, add zeros to the others' direct calls (direct.py)
+        path.serve_join(eng, handle)
+    return synchronize(handle)
 
 
 def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:

@@ -125,6 +125,13 @@ KNOBS: tuple[Knob, ...] = (
     Knob("min_compress_bytes", "LCC_MIN_COMPRESS_BYTES", _parse_int, 4096, "bytes",
          "Tensors smaller than this are sent uncompressed (decided per tensor, so fusion "
          "never changes how a tensor is treated).", _min(0)),
+    Knob("direct_bytes", "LCC_DIRECT_BYTES", _parse_int, 64 * 1024, "bytes",
+         "Blocking allreduces without a name (lcc.allreduce(loss), as scripts average metrics) "
+         "of host arrays up to this size skip the engine: the calling thread checks that every "
+         "rank made the same call and reduces with MPI's own allreduce (~20 us instead of "
+         "~400 us through the engine here). Larger or GPU ones are checked the same way, then "
+         "go through the engine. They rely on the call order, as Horovod's generated names do. "
+         "Needs MPI_THREAD_MULTIPLE; 0 sends them all through the engine alone.", _min(0)),
     Knob("algorithm", "LCC_ALGORITHM", lambda t: t.strip().lower(), "auto", "",
          "Allreduce algorithm: auto, flat, ring, hierarchical, 2d, tree.", _algorithm_ok),
     Knob("auto_small_bytes", "LCC_AUTO_SMALL_BYTES", _parse_int, 64 * 1024, "bytes",
@@ -199,6 +206,7 @@ class Config:
     ef_ttl_steps: int
     codec_threads: int
     min_compress_bytes: int
+    direct_bytes: int
     algorithm: str
     auto_small_bytes: int
     auto_multinode_bytes: int

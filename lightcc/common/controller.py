@@ -75,6 +75,7 @@ class Coordinator:
         self.joined: list[int] = []
         self.gone: set[int] = set()
         self.lost: set[int] = set()          # gone without a shutdown message (exited, died)
+        self._gone_sent = 0                  # how many gone ranks the last batch announced
         self.pending_settings: dict = {}
         self.warnings: list[str] = []
         self._ready: dict[tuple, None] = {}          # complete keys, in completion order
@@ -209,9 +210,12 @@ class Coordinator:
             items.append(Response(Request(Coll.JOIN, "join"), value=self.joined[-1]))
             self.joined = []
             self._rescan = True
-        if not items and not self.pending_settings:
+        gone_news = len(self.gone) != self._gone_sent
+        if not items and not self.pending_settings and not gone_news:
             return None
-        batch = Batch(items=items, joined=batch_joined, settings=self.pending_settings)
+        self._gone_sent = len(self.gone)
+        batch = Batch(items=items, joined=batch_joined, settings=self.pending_settings,
+                      gone=tuple(sorted(self.gone)))
         self.pending_settings = {}
         return batch
 

@@ -31,6 +31,7 @@ from .backends.mpi import MPICommunicator
 from .cache import ResponseCache, SignatureCache
 from .config import Config
 from .controller import Coordinator
+from .direct import DirectPath
 from .exceptions import (CollectiveError, DuplicateNameError, InvalidArgumentError,
                          LightCCError, MismatchError, ShutdownError, StallError)
 from .messages import (COLL_NAMES, ORDERED, SHARED_STREAM, Batch, Coll, OrderedItem,
@@ -182,7 +183,9 @@ class Engine:
         self._plane = ControlPlane(mpi_comm, hostnames, config.control_addr)
         self.settings = ExecSettings.from_config(config)
         self.groups: dict[int, Group] = {0: Group(0, tuple(range(self.size)), self.topo,
-                                                  self.settings, progress=self._pump)}
+                                                  self.settings, progress=self._pump,
+                                                  direct=self._direct_path(mpi_comm,
+                                                                           self.size))}
         self.tracer: Tracer = NULL
         self.batches = 0                     # batches executed
         self.cache = ResponseCache(config.cache_capacity)
@@ -205,6 +208,7 @@ class Engine:
         self._stopping = False
         self._dead: BaseException | None = None
         self._coordinator_gone = ""
+        self.gone_ranks: frozenset[int] = frozenset()   # ranks that shut down or exited
         self._closed_seen: set[int] = set()
         self._counters: dict[tuple[int, int], itertools.count] = {}
         self.lazy = not overlap_in_background(config.overlap, self.topo)
@@ -551,6 +555,8 @@ class Engine:
     def _execute(self, batch: Batch) -> None:
         if batch.settings:
             self._apply_settings(batch.settings)
+        if batch.gone:
+            self.gone_ranks = frozenset(batch.gone)
         responses: list[Response] = []
         entries: list = []
         with self._lock:          # one acquisition for the whole batch
@@ -718,6 +724,18 @@ class Engine:
             if "fusion_threshold" in settings:
                 self.coordinator.fusion_threshold = self.settings.fusion_threshold
 
+    def _direct_path(self, comm: Any, ranks: Any) -> Any:
+        """A process set's direct path (collective over ``comm``: it duplicates it), or None
+        when LCC_DIRECT_BYTES is 0 or MPI lacks MPI_THREAD_MULTIPLE (the calling thread would
+        use MPI beside the engine's)."""
+        from mpi4py import MPI
+
+        if self.config.direct_bytes <= 0 or MPI.Query_thread() < MPI.THREAD_MULTIPLE:
+            return None
+        ranks = tuple(range(ranks)) if isinstance(ranks, int) else tuple(ranks)
+        return DirectPath(comm.Dup(), ranks, self.config.stall_check_time,
+                          self.config.stall_shutdown_time)
+
     def _add_pset(self, resp: Response) -> None:
         ranks = tuple(resp.request.splits)
         member = self.rank in ranks
@@ -725,7 +743,8 @@ class Engine:
         if member:
             hosts = [self.hostnames[r] for r in ranks]
             topo = build(sub, hosts, self.config.local_size)
-            group = Group(resp.value, ranks, topo, self.settings, progress=self._pump)
+            group = Group(resp.value, ranks, topo, self.settings, progress=self._pump,
+                          direct=self._direct_path(sub.comm, ranks))
             group.set_tracer(self.tracer)
         else:
             sub.free()

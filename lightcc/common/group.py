@@ -72,6 +72,7 @@ class Group:
     device_id: int | None = None   # this rank's GPU for the set (its first device tensor's)
     device: Any = None             # DeviceComms, made by device_comms() when first needed
     progress: Any = None           # the engine's hook between pieces of long exchanges
+    direct: Any = None             # direct.DirectPath: blocking unnamed small allreduces
 
     def __post_init__(self) -> None:
         self._push_chunks()
@@ -149,6 +150,9 @@ class Group:
     def free(self, free_world: bool = True) -> None:
         """Free the communicators (collective over the members) and the buffers."""
         self.fusion.release()
+        if self.direct is not None:
+            self.direct.free()
+            self.direct = None
         if self.device is not None:
             self.device.free()
             self.device = None

@@ -185,21 +185,25 @@ class Batch:
     was made (they contribute zeros). ``shutdown`` carries a reason when the job's lightcc
     must stop on every rank (coordinator shutdown). ``settings`` holds tuned settings (fusion
     threshold, algorithm, ...) that take effect from this batch on, on every rank at once.
+    ``gone`` are the ranks that shut down or exited so far (the direct path of small unnamed
+    allreduces stops waiting for them, direct.py).
     """
 
     items: list[Any] = field(default_factory=list)
     joined: tuple[int, ...] = ()
     shutdown: str = ""
     settings: dict[str, Any] = field(default_factory=dict)
+    gone: tuple[int, ...] = ()
 
     def encode(self) -> bytes:
         return pickle.dumps(([_encode_item(i) for i in self.items], self.joined, self.shutdown,
-                             self.settings), protocol=pickle.HIGHEST_PROTOCOL)
+                             self.settings, self.gone), protocol=pickle.HIGHEST_PROTOCOL)
 
     @classmethod
     def decode(cls, data: bytes) -> "Batch":
-        items, joined, shutdown, settings = pickle.loads(data)
-        return cls([_decode_item(i) for i in items], tuple(joined), shutdown, dict(settings))
+        items, joined, shutdown, settings, gone = pickle.loads(data)
+        return cls([_decode_item(i) for i in items], tuple(joined), shutdown, dict(settings),
+                   tuple(gone))
 
 
 def _encode_item(item: Any) -> Any:

@@ -79,8 +79,8 @@ class _Allreduce(Function):
     @staticmethod
     def forward(ctx, tensor, name, op, pre, post, process_set, compression):
         ctx.op, ctx.pre, ctx.post, ctx.process_set = op, pre, post, process_set
-        result = _ops.synchronize(_ops._allreduce_submit(tensor, False, name, op, pre, post,
-                                                         process_set, compression))
+        result = _ops._allreduce_now(tensor, False, name, op, pre, post, process_set,
+                                     compression)
         if op in (Min, Max, Product):
             ctx.save_for_backward(tensor, result)
         return result
@@ -93,10 +93,9 @@ class _Allreduce(Function):
 def _allreduce_grad(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
     ps, op = ctx.process_set, ctx.op
     if op in (Sum, Average):
-        return _ops.synchronize(_ops._allreduce_submit(grad, False, None, op, ctx.pre, ctx.post,
-                                                       ps))
+        return _ops._allreduce_now(grad, False, None, op, ctx.pre, ctx.post, ps)
     x, y = ctx.saved_tensors
-    total = _ops.synchronize(_ops._allreduce_submit(grad, False, None, Sum, 1.0, 1.0, ps))
+    total = _ops._allreduce_now(grad, False, None, Sum, 1.0, 1.0, ps)
     if op == Product:   # d y / d x_r = post * pre^n * prod_{k != r} x_k, exact with zeros
         gathered = allgather(x.detach().unsqueeze(0), process_set=ps)
         others = gathered.clone()
@@ -105,7 +104,7 @@ def _allreduce_grad(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
         return total * ctx.post * ctx.pre ** n * torch.prod(others, dim=0)
     # Min/Max: the rank(s) holding the extremum get the gradient; ties share it equally.
     hit = (x.detach() * ctx.pre * ctx.post == y).to(grad.dtype)
-    ties = _ops.synchronize(_ops._allreduce_submit(hit, False, None, Sum, 1.0, 1.0, ps))
+    ties = _ops._allreduce_now(hit, False, None, Sum, 1.0, 1.0, ps)
     return total * hit * ctx.pre * ctx.post / ties.clamp(min=1)
 
 
@@ -119,6 +118,10 @@ def allreduce(tensor: torch.Tensor, average: Any = None, name: str | None = None
     """
     op = _ops.handle_average_backwards_compatibility(op, average)
     spec = spec_of(compression)
+    if spec == "none" and not (tensor.requires_grad and torch.is_grad_enabled()):
+        # nothing to differentiate (a metric, say): skip autograd.Function's ~40 us
+        return _ops._allreduce_now(tensor, False, name, op, prescale_factor, postscale_factor,
+                                   process_set)
     if spec is None:   # Horovod-style custom compressor: per tensor, as Horovod does
         compressed, cctx = compression.compress(tensor)
         out = _Allreduce.apply(compressed, name, op, prescale_factor, postscale_factor,
@@ -163,9 +166,8 @@ def grouped_allreduce(tensors: Sequence[torch.Tensor], average: Any = None,
 # ---- allgather --------------------------------------------------------------------------------
 def _allgather_grad(grad: torch.Tensor, dim0: int, process_set: Any,
                     mode: str) -> torch.Tensor:
-    total = _ops.synchronize(_ops._allreduce_submit(grad.contiguous(), False, None,
-                                                    _gather_reduce_op(mode), 1.0, 1.0,
-                                                    process_set))
+    total = _ops._allreduce_now(grad.contiguous(), False, None, _gather_reduce_op(mode), 1.0,
+                                1.0, process_set)
     dims = allgather(torch.tensor([dim0], dtype=torch.int64), process_set=process_set)
     offset = int(dims[:_ops._pset_rank(process_set)].sum())
     return total.narrow(0, offset, dim0)
@@ -218,9 +220,8 @@ class _Broadcast(Function):
 
     @staticmethod
     def backward(ctx, grad):
-        total = _ops.synchronize(_ops._allreduce_submit(grad.contiguous(), False, None,
-                                                        _gather_reduce_op(ctx.mode), 1.0, 1.0,
-                                                        ctx.process_set))
+        total = _ops._allreduce_now(grad.contiguous(), False, None,
+                                    _gather_reduce_op(ctx.mode), 1.0, 1.0, ctx.process_set)
         if _api.rank() != ctx.root_rank:
             total = torch.zeros_like(total)
         return total, None, None, None

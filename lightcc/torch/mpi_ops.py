@@ -23,7 +23,7 @@ from ..common.api import (Adasum, Average, Max, Min, ProcessSet, Product, Sum,
 from ..common.exceptions import HorovodInternalError
 from ..common.messages import Coll
 from . import basics
-from ._tensor import core_result, result_like, stage, to_device, torch_stream
+from ._tensor import core_result, from_array, result_like, stage, to_device, torch_stream
 from .compression import spec_of
 
 
@@ -129,8 +129,8 @@ def _base_name(coll: Coll, name: str | None, process_set: Any) -> str:
 # ---- allreduce --------------------------------------------------------------------------------
 def _allreduce_submit(tensor: torch.Tensor, inplace: bool, name: str | None, op: Any,
                       prescale_factor: float, postscale_factor: float, process_set: Any,
-                      compression: Any = None) -> int:
-    s = stage(tensor, "allreduce")
+                      compression: Any = None, s: Any = None) -> int:
+    s = stage(tensor, "allreduce") if s is None else s
     gpu = tensor.device if s.gpu else None
     if inplace:
         core = _api.allreduce_async(s.array, op, name, prescale_factor, postscale_factor,
@@ -140,6 +140,29 @@ def _allreduce_submit(tensor: torch.Tensor, inplace: bool, name: str | None, op:
     core = _api.allreduce_async(s.array, op, name, prescale_factor, postscale_factor,
                                 process_set, compression, out=out_arr)
     return _register(core, lambda _res: out if s.gpu else to_device(out, tensor), gpu)
+
+
+def _allreduce_now(tensor: torch.Tensor, inplace: bool, name: str | None, op: Any,
+                   prescale_factor: float, postscale_factor: float, process_set: Any,
+                   compression: Any = None) -> torch.Tensor:
+    """A blocking allreduce. Unnamed: checked against the other ranks' call on this thread,
+    and a small CPU tensor reduced there too (the core's direct path, ``common/direct.py``);
+    everything else goes through the engine."""
+    if name is not None:
+        return synchronize(_allreduce_submit(tensor, inplace, name, op, prescale_factor,
+                                             postscale_factor, process_set, compression))
+    s = stage(tensor, "allreduce")
+    if inplace:
+        if _api.allreduce_direct(s.array, op, prescale_factor, postscale_factor, process_set,
+                                 compression, s.array) is not None:
+            return s.finish()
+    else:         # the direct path returns a fresh array: the result tensor shares it
+        res = _api.allreduce_direct(s.array, op, prescale_factor, postscale_factor,
+                                    process_set, compression, None)
+        if res is not None:
+            return from_array(res)
+    return synchronize(_allreduce_submit(tensor, inplace, name, op, prescale_factor,
+                                         postscale_factor, process_set, compression, s))
 
 
 def allreduce_async(tensor: torch.Tensor, average: Any = None, name: str | None = None,
@@ -164,8 +187,9 @@ def allreduce_(tensor: torch.Tensor, average: Any = None, name: str | None = Non
                op: Any = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                process_set: Any = global_process_set) -> torch.Tensor:
     """In-place allreduce; returns ``tensor``."""
-    return synchronize(allreduce_async_(tensor, average, name, op, prescale_factor,
-                                        postscale_factor, process_set))
+    op = handle_average_backwards_compatibility(op, average)
+    return _allreduce_now(tensor, True, name, op, prescale_factor, postscale_factor,
+                          process_set)
 
 
 def _grouped_allreduce_submit(tensors: Sequence[torch.Tensor], inplace: bool, name: str | None,

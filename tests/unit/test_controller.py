@@ -215,6 +215,17 @@ def test_rank_shutdown_fails_tensors_waiting_for_it():
     assert resp.error_kind == "shutdown" and "rank 1 shut down" in resp.error
 
 
+def test_gone_ranks_are_announced_once_even_with_nothing_pending():
+    coord, _ = make(size=3)
+    assert coord.tick() is None
+    coord.receive(2, RankMessage(shutdown=True))
+    batch = coord.tick()
+    assert batch is not None and batch.items == [] and batch.gone == (2,)
+    assert coord.tick() is None                      # nothing new: no empty batches
+    coord.lose(1)
+    assert coord.tick().gone == (1, 2)               # the whole set, in every batch
+
+
 def test_join_makes_joined_ranks_contribute_and_reports_last():
     coord, _ = make(size=3)
     submit(coord, 1, Request(Coll.JOIN, "join"))
@@ -260,10 +271,11 @@ def test_validate_alltoall_collects_splits():
 
 def test_batch_and_message_round_trip():
     batch = Batch(items=[3, Response(ar("z"), per_rank=(1, 2))], joined=(1,), shutdown="",
-                  settings={"fusion_threshold": 5})
+                  settings={"fusion_threshold": 5}, gone=(2, 3))
     again = Batch.decode(batch.encode())
     assert again.items[0] == 3 and again.items[1] == batch.items[1]
     assert again.joined == (1,) and again.settings == {"fusion_threshold": 5}
+    assert again.gone == (2, 3)
     msg = RankMessage(cached=[1, 2], requests=[ar("q")], shutdown=True)
     back = RankMessage.decode(msg.encode())
     assert back.cached == [1, 2] and back.requests == [ar("q")] and back.shutdown

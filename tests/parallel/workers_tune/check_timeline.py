@@ -23,7 +23,8 @@ for step in range(3):
         assert np.allclose(out, (n - 1) / 2), out[:3]
 lcc.allgather(np.ones((2, 3)), name="gathered")
 lcc.broadcast(np.arange(4.0), 0, name="bcast")
-lcc.allreduce(np.ones(3), name=None)            # a generated name
+lcc.allreduce(np.ones(3), name=None)            # the direct path: its own track
+lcc.allreduce(np.ones(20_000), name=None)       # over LCC_DIRECT_BYTES: the engine, generated name
 lcc.barrier()
 second = path + ".second"
 lcc.start_timeline(second)
@@ -49,6 +50,8 @@ if r == 0:
         assert {"QUEUE", "NEGOTIATE"} <= phases, (nm, phases)
         assert phases & {"EXECUTE", "ALLGATHER", "BROADCAST"}, (nm, phases)
     assert sum(e["name"] == "EXECUTE" for e in by_track["grad.5000"]) == 3
+    direct = [e for e in by_track["allreduce.direct"] if e["name"] == "DIRECT_ALLREDUCE"]
+    assert len(direct) == 1 and direct[0]["args"]["bytes"] == 24, by_track["allreduce.direct"]
     assert "only_in_second" not in by_track and "after_stop" not in by_track
     # the fused bucket shows PACK / ALLREDUCE / UNPACK with bytes
     buckets = [t for t in by_track if t.startswith("bucket[")]

@@ -1,0 +1,327 @@
+"""Blocking unnamed allreduces, checked (and when small, reduced) on the calling thread.
+
+Why: a metric averaged with ``lcc.allreduce(loss)`` went through the engine: a hand-off to the
+background thread, a control round trip through rank 0 and a hand-off back, 0.3-0.5 ms on a
+loaded host against 2-5 us for MPI's own call, and 1.7-2x gloo's latency (docs/benchmarks.md).
+
+Which calls: the *blocking* ``allreduce`` (``lightcc.allreduce``, ``lightcc.torch.allreduce`` and
+``allreduce_``) without a name and without ``ordered=True``. Horovod names such calls from a
+per-process counter (``allreduce.noname.7``), so they must already come in the same order on
+every rank; this path relies on that order and on nothing else. Every such call is checked
+here (step 1); a host array of at most ``LCC_DIRECT_BYTES`` bytes that no compressor would
+touch is also reduced here (step 2, "the direct path"), the others then go to the engine. Each
+rank decides from its own call alone, so ranks that make the same call take the same path, and
+ranks whose calls differ fail in step 1. Asynchronous calls never come here: blocking inside
+``allreduce_async`` could deadlock a program whose ranks order their named collectives
+differently, which the engine allows.
+
+Protocol, per process set, on a communicator of its own (duplicated when the set is made, so
+it never meets the engine's traffic), one call at a time:
+
+1. **Header**: one int64 SUM allreduce of ``[1, a, a², b, b², c, c², dtype, op, count, nan,
+   here]``, where ``a, b, c`` are 21-bit pieces of a hash of the call's signature (dtype,
+   shape, op, scale factors, compression, memory, path). A rank inside ``join()`` adds zeros.
+   Every rank reads the same sums and reaches the same verdict: ``m`` ranks contributed, and
+   their hashes are all equal exactly when ``m·Σa² = (Σa)²`` for every piece (the equality
+   case of Cauchy-Schwarz). ``m = 0``: every rank has joined. Unequal: the ranks allgather
+   their descriptions and each caller raises :class:`MismatchError` naming them.
+2. **Payload** (``here`` = 1): one allreduce in the reduction dtype (float32 for 16-bit
+   floats), plus a NaN mask for floating min/max, as the executor does; joined ranks add
+   zeros. Scaling and averaging follow the executor (``Average`` divides by the set's size).
+
+Both are nonblocking and waited for alike: the request is tested in a loop for ~100 us, then
+with sleeps growing to 0.5 ms (a rank waiting for a late one takes no core from it). A wait
+warns every ``LCC_STALL_CHECK_TIME`` seconds and raises :class:`StallError` after
+``LCC_STALL_SHUTDOWN_TIME``; it raises :class:`ShutdownError` as soon as the engine learns that
+lightcc stopped on this rank or that a member shut down or exited (the coordinator announces
+gone ranks in its batches). A posted collective cannot be withdrawn, so after such an error
+the set's direct path is closed on that rank and later calls raise the same error; the late
+ranks' matching call then fails after its own stall limit. In lazy mode (``LCC_OVERLAP``) the
+waiting thread also starts this rank's queued engine work, which the others may wait for.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+import threading
+import time
+from typing import Any
+
+import numpy as np
+
+from . import dtypes
+from .exceptions import LightCCError, MismatchError, ShutdownError, StallError
+from .executor import _finish_scaling
+
+log = logging.getLogger("lightcc")
+
+SPIN_S = 100e-6          # test-and-yield this long before sleeping between tests
+MAX_PAUSE_S = 0.5e-3     # longest sleep between two tests of the header
+_PIECE = 21              # bits per hash piece: m * sum(a^2) stays exact in int64 up to 2^20 ranks
+_REDUCE_DTYPES = ("float32", "float64", "int8", "uint8", "int16", "uint16", "int32", "int64")
+_BACKEND_OPS = ("sum", "min", "max", "prod", "band", "bor", "bxor")
+_HEADER = 12
+
+
+_MPI: Any = None
+
+
+def _mpi() -> Any:
+    global _MPI
+    if _MPI is None:
+        from mpi4py import MPI
+
+        _MPI = MPI
+    return _MPI
+
+
+def eligible(nbytes: int, compression: str, min_compress_bytes: int, limit: int) -> bool:
+    """Whether a blocking unnamed host allreduce of ``nbytes`` takes the direct path."""
+    return nbytes <= limit and (compression == "none" or nbytes < min_compress_bytes)
+
+
+class _Plan:
+    """What one call signature needs, computed once: the header this rank sends, the sums
+    that mean "every rank sent it", and the payload's MPI type and op."""
+
+    __slots__ = ("header", "agreed", "rdt", "mtype", "mop", "nan", "desc", "direct")
+
+    header: np.ndarray
+    agreed: bytes
+
+    def __init__(self, sig: tuple, size: int) -> None:
+        MPI = _mpi()
+        from .backends.mpi import _OPS
+
+        dtype, shape, op, direct = sig[0], sig[1], sig[2], sig[7]
+        digest = hashlib.blake2b(repr(sig).encode(), digest_size=8).digest()
+        h = int.from_bytes(digest, "little")
+        mask = (1 << _PIECE) - 1
+        a, b, c = h & mask, (h >> _PIECE) & mask, (h >> 2 * _PIECE) & mask
+        self.rdt = dtypes.reduce_dtype(dtype)
+        bop = dtypes.backend_op(op, dtype)
+        self.nan = dtype in dtypes.FLOATING and op in ("min", "max")
+        self.header = np.array([1, a, a * a, b, b * b, c, c * c,
+                                _REDUCE_DTYPES.index(self.rdt.name), _BACKEND_OPS.index(bop),
+                                math.prod(shape), int(self.nan), int(direct)], np.int64)
+        self.agreed = (self.header * size).tobytes()     # the sums when every member sent it
+        self.direct = direct                    # the payload follows here (else: the engine)
+        self.mtype = MPI._typedict[self.rdt.char]
+        self.mop = getattr(MPI, _OPS[bop])
+        self.desc = _describe(sig)
+
+
+class DirectPath:
+    """The direct path of one process set on this rank (see the module docstring)."""
+
+    def __init__(self, comm: Any, ranks: tuple[int, ...], stall_check: float,
+                 stall_shutdown: float) -> None:
+        self.comm = comm                 # mpi4py communicator, this path's alone
+        self.ranks = ranks               # the set's members (global ranks), in set order
+        self.size = len(ranks)
+        self.stall_check = stall_check
+        self.stall_shutdown = stall_shutdown
+        self.calls = 0                   # calls checked here on this rank (for messages)
+        self.reduced = 0                 # of which reduced here too (the others: the engine)
+        self.closed: BaseException | None = None
+        self._lock = threading.Lock()
+        self._plans: dict[tuple, _Plan] = {}
+        self._zeros = np.zeros(_HEADER, np.int64)
+        self._total = np.zeros(_HEADER, np.int64)
+
+    # -- the call ------------------------------------------------------------------------------
+    def allreduce(self, arr: Any, op: str, dtype: str, pre: float, post: float,
+                  compression: str, out: np.ndarray | None, engine: Any, direct: bool,
+                  memory: str = "host") -> np.ndarray | None:
+        """Check that every rank makes this call (``arr`` validated by the caller); then, when
+        ``direct``, reduce it here and return the result (``out`` if given), else return None
+        and the caller submits it to the engine."""
+        sig = (dtype, tuple(arr.shape), op, pre, post, compression, memory, direct)
+        plan = self._plans.get(sig)
+        if plan is None:
+            if len(self._plans) > 4096:
+                self._plans.clear()
+            plan = self._plans[sig] = _Plan(sig, self.size)
+        with self._lock:
+            self._check_open()
+            self.calls += 1
+            total = self._exchange_header(plan.header, engine, plan, joined=False)
+            if total.tobytes() != plan.agreed and not self._agree(total):
+                self._mismatch(self._what(plan), plan.desc)
+            if not direct:
+                return None
+            self.reduced += 1
+            buf = np.array(arr, dtype=plan.rdt, order="C", copy=True).reshape(-1)
+            if pre != 1.0:
+                if dtype in dtypes.FLOATING:
+                    buf *= pre
+                elif dtype in dtypes.INTEGER:
+                    dtypes.scale_integers(buf, pre)
+            self._payload(buf, plan.mtype, plan.mop, plan.nan, engine, plan)
+        _finish_scaling(buf, op, dtype, self.size, post)
+        result = buf.reshape(arr.shape)
+        if out is None:
+            target = dtypes.SUPPORTED[dtype]
+            return result if result.dtype == target else result.astype(target)
+        np.copyto(out, result, casting="unsafe")
+        return out
+
+    def serve_join(self, engine: Any, join_handle: Any) -> None:
+        """On a rank inside ``join()``: add zeros to the other ranks' direct calls until every
+        rank has joined (a header with no contributions)."""
+        MPI = _mpi()
+        from .backends.mpi import _OPS
+
+        with self._lock:
+            self._check_open()
+            while True:
+                total = self._exchange_header(self._zeros, engine, None, joined=True,
+                                              join_handle=join_handle)
+                m = int(total[0])
+                if m == 0:
+                    return
+                if not self._agree(total):
+                    self._mismatch("join()", None)   # the callers raise; this rank goes on
+                    continue
+                if not total[11]:
+                    continue          # the call goes through the engine, which adds our zeros
+                rdt = np.dtype(_REDUCE_DTYPES[int(total[7]) // m])
+                buf = np.zeros(int(total[9]) // m, rdt)
+                self._payload(buf, MPI._typedict[rdt.char],
+                              getattr(MPI, _OPS[_BACKEND_OPS[int(total[8]) // m]]),
+                              bool(total[10]), engine, None)
+
+    def free(self) -> None:
+        """Free the communicator (collective); not after an error left a request posted."""
+        MPI = _mpi()
+        if self.closed is None and self.comm is not None and not MPI.Is_finalized():
+            self.comm.Free()
+        self.comm = None
+
+    # -- pieces --------------------------------------------------------------------------------
+    def _what(self, plan: _Plan | None) -> str:
+        return "join()" if plan is None else f"unnamed allreduce #{self.calls} ({plan.desc})"
+
+    def _check_open(self) -> None:
+        if self.closed is not None:
+            raise type(self.closed)(f"the direct path of this process set was closed by an "
+                                    f"earlier error: {self.closed}")
+        if self.comm is None:
+            raise ShutdownError("lightcc is shut down on this rank")
+
+    @staticmethod
+    def _agree(total: np.ndarray) -> bool:
+        """The contributing ranks (some may have joined) sent the same header: exact integer
+        arithmetic on the sums (see the module docstring)."""
+        m = int(total[0])
+        if m == 0:
+            return True
+        for i in (1, 3, 5):
+            s, sq = int(total[i]), int(total[i + 1])
+            if m * sq != s * s:
+                return False
+        return all(int(total[i]) % m == 0 for i in (7, 8, 9, 10, 11))
+
+    def _exchange_header(self, header: np.ndarray, engine: Any, plan: _Plan | None,
+                         joined: bool, join_handle: Any = None) -> np.ndarray:
+        MPI = _mpi()
+        total = self._total
+        req = self.comm.Iallreduce([header, MPI.INT64_T], [total, MPI.INT64_T], MPI.SUM)
+        self._wait(req, engine, plan, not joined, join_handle, "a rank of the process set never "
+                   "made its matching call, or gave up on it after a StallError")
+        return total
+
+    def _wait(self, req: Any, engine: Any, plan: _Plan | None, stall: bool, join_handle: Any,
+              missing: str) -> None:
+        """Test ``req`` until done: a short spin, then growing sleeps; stall warning and error
+        (when ``stall``), and errors as soon as lightcc stopped on this or another rank."""
+        if req.Test():
+            return
+        start = time.monotonic()
+        spin_until = start + SPIN_S
+        warned_at = start
+        pause = 10e-6
+        while not req.Test():
+            now = time.monotonic()
+            if now < spin_until:        # MPI_Test releases the GIL; sleep(0) cost ~100 us
+                continue
+            self._check_engine(engine, plan, join_handle)
+            if stall:
+                waited = now - start
+                if self.stall_shutdown > 0 and waited >= self.stall_shutdown:
+                    self._close(StallError(f"{self._what(plan)} waited {waited:.1f} s on rank "
+                                           f"{engine.rank}: {missing}. {_ORDER_HINT}"))
+                if self.stall_check > 0 and now - warned_at >= self.stall_check:
+                    warned_at = now
+                    log.warning("stall: %s has waited %.1f s on rank %d (direct path for small "
+                                "unnamed allreduces): %s. %s", self._what(plan), waited,
+                                engine.rank, missing, _ORDER_HINT)
+            if engine.lazy and engine._queue:
+                engine.nudge()          # work this rank queued earlier may be what they wait for
+            time.sleep(pause)
+            pause = min(pause * 2, MAX_PAUSE_S)
+
+    def _check_engine(self, engine: Any, plan: _Plan | None, join_handle: Any) -> None:
+        what = self._what(plan)
+        if engine._dead is not None:
+            self._close(LightCCError(f"{what}: lightcc's background thread stopped: "
+                                     f"{engine._dead}"))
+        if engine._coordinator_gone:
+            self._close(ShutdownError(f"{what}: {engine._coordinator_gone}"))
+        if engine._stopping:
+            self._close(ShutdownError(f"{what}: lightcc is shutting down on this rank"))
+        gone = engine.gone_ranks.intersection(self.ranks)
+        if gone:
+            self._close(ShutdownError(f"{what}: rank{'s' if len(gone) > 1 else ''} "
+                                      f"{', '.join(map(str, sorted(gone)))} shut down or exited "
+                                      f"without making the matching call"))
+        if join_handle is not None and join_handle._done and join_handle._error is not None:
+            self._close(join_handle._error)
+
+    def _close(self, exc: BaseException) -> None:
+        self.closed = exc
+        raise exc
+
+    def _payload(self, buf: np.ndarray, mtype: Any, mop: Any, nan: bool, engine: Any,
+                 plan: _Plan | None) -> None:
+        """Every member passed the header, so all post this at once; it still waits with
+        a stall limit, for the member whose header was one it gave up on (a StallError)."""
+        MPI = _mpi()
+        gave_up = "a rank gave up on this call (StallError) just after the others matched it"
+        mask = None
+        if nan:       # MPI's MIN/MAX may drop a NaN depending on rank order (as the executor)
+            mask = np.isnan(buf).astype(np.uint8)
+            req = self.comm.Iallreduce(MPI.IN_PLACE, [mask, MPI.UINT8_T], MPI.MAX)
+            self._wait(req, engine, plan, True, None, gave_up)
+        if buf.size:
+            req = self.comm.Iallreduce(MPI.IN_PLACE, [buf, mtype], mop)
+            self._wait(req, engine, plan, True, None, gave_up)
+        if mask is not None and mask.any():
+            buf[mask.view(bool)] = np.nan
+
+    def _mismatch(self, what: str, mine: str | None) -> None:
+        """Every rank saw the disagreement in the same sums: all gather the descriptions."""
+        seen = self.comm.allgather(mine)
+        if mine is None:
+            return
+        parts = [f"rank {r}: {d if d is not None else 'in join()'}"
+                 for r, d in zip(self.ranks, seen)]
+        raise MismatchError(f"{what}: the ranks' unnamed allreduces differ ({'; '.join(parts)}). "
+                            f"{_ORDER_HINT}")
+
+
+_ORDER_HINT = ("Blocking unnamed allreduces (lightcc's without name=, torch.distributed's "
+               "all_reduce) are matched by call order: every rank must make the same ones in "
+               "the same order (lightcc's may pass name= to be matched by name instead; "
+               "LCC_DIRECT_BYTES=0 sends them through the engine).")
+
+
+def _describe(sig: tuple) -> str:
+    dtype, shape, op, pre, post, compression, memory, _direct = sig
+    text = f"{dtype} {shape} {op}" + (" on the GPU" if memory != "host" else "")
+    if pre != 1.0 or post != 1.0:
+        text += f" prescale {pre:g} postscale {post:g}"
+    if compression != "none":
+        text += f" compression {compression}"
+    return text
