@@ -7,7 +7,10 @@ loaded host against 2-5 us for MPI's own call, and 1.7-2x gloo's latency (docs/b
 Which calls: the *blocking* ``allreduce`` (``lightcc.allreduce``, ``lightcc.torch.allreduce`` and
 ``allreduce_``) without a name and without ``ordered=True``. Horovod names such calls from a
 per-process counter (``allreduce.noname.7``), so they must already come in the same order on
-every rank; this path relies on that order and on nothing else. Every such call is checked
+every rank; this path relies on that order and on nothing else. (Blocking and asynchronous
+unnamed calls are two sequences now: a rank's blocking call meets the others' blocking calls,
+so ranks must not differ in which form they use for the same call, which Horovod tolerated.)
+Every such call is checked
 here (step 1); a host array of at most ``LCC_DIRECT_BYTES`` bytes that no compressor would
 touch is also reduced here (step 2, "the direct path"), the others then go to the engine. Each
 rank decides from its own call alone, so ranks that make the same call take the same path, and
@@ -311,10 +314,10 @@ class DirectPath:
                             f"{_ORDER_HINT}")
 
 
-_ORDER_HINT = ("Blocking unnamed allreduces (lightcc's without name=, torch.distributed's "
-               "all_reduce) are matched by call order: every rank must make the same ones in "
-               "the same order (lightcc's may pass name= to be matched by name instead; "
-               "LCC_DIRECT_BYTES=0 sends them through the engine).")
+_ORDER_HINT = ("Blocking unnamed allreduces are matched by call order, among themselves (not "
+               "with allreduce_async ones): every rank must make the same ones in the same "
+               "order. Pass name= to match a call by name instead; LCC_DIRECT_BYTES=0 sends "
+               "them through the engine, in one order with the asynchronous ones.")
 
 
 def _describe(sig: tuple) -> str:

@@ -28,6 +28,12 @@ import traceback
 import types
 
 STATUS_DIR_ENV = "LCC_RUNNER_STATUS_DIR"
+#: A rank whose error only reports that another rank died waits this long before MPI_Abort, so
+#: that prterun sees the death first and lccrun names the rank that died, not the survivors
+#: (under load their aborts sometimes reached prterun first).
+CONSEQUENCE_GRACE_S = 1.0
+_LOST_RANK_TEXT = ("exited or lost its connection", "closed its connection",
+                   "shut down or exited")
 
 
 def world_rank() -> int | None:
@@ -89,6 +95,12 @@ def _exit_code(exc: BaseException) -> tuple[int, str]:
     if isinstance(exc, KeyboardInterrupt):
         return 130, "KeyboardInterrupt"
     return 1, f"uncaught {type(exc).__name__}: {str(exc)[:300]}".rstrip(": ")
+
+
+def is_consequence(exc: BaseException) -> bool:
+    """True for lightcc's errors that only say another rank exited or lost its connection."""
+    return type(exc).__name__ in ("ShutdownError", "LightCCError") and \
+        any(text in str(exc) for text in _LOST_RANK_TEXT)
 
 
 def _user_traceback(exc: BaseException) -> None:
@@ -197,6 +209,8 @@ def main(args: list[str] | None = None) -> int:
         if not isinstance(exc, SystemExit):
             _user_traceback(exc)
         write_status(code, what)
+        if is_consequence(exc):
+            time.sleep(CONSEQUENCE_GRACE_S)
         _abort_if_mpi(code)
         return code
     return 0

@@ -522,3 +522,18 @@ def test_docs_list_every_flag_next_to_its_variable():
     for flag in ("-np", "--hostfile", "--network-interface", "--ssh-port", "--mpi-args",
                  "--dry-run", "--check-build", "--verbose", "--version"):
         assert f"`{flag}" in doc.read_text() or f"{flag} " in doc.read_text(), flag
+
+
+def test_errors_that_only_report_a_lost_rank_wait_before_aborting():
+    from lightcc.common.exceptions import LightCCError, ShutdownError
+
+    assert _rankwrap.is_consequence(ShutdownError(
+        "allreduce 'grad.0': rank 1 exited or lost its connection before submitting it"))
+    assert _rankwrap.is_consequence(ShutdownError(
+        "unnamed allreduce #3 (float32 (1,) sum): rank 2 shut down or exited without making "
+        "the matching call"))
+    assert _rankwrap.is_consequence(ShutdownError(
+        "lightcc was shut down on all ranks: rank 0 (the coordinator) closed its connection"))
+    assert not _rankwrap.is_consequence(RuntimeError("rank 1 exited or lost its connection"))
+    assert not _rankwrap.is_consequence(LightCCError("allreduce 'x': rank 1 has shape (3,)"))
+    assert 0 < _rankwrap.CONSEQUENCE_GRACE_S < supervise.FAILURE_GRACE_S
