@@ -59,8 +59,8 @@ from .executor import _finish_scaling
 
 log = logging.getLogger("lightcc")
 
-SPIN_S = 100e-6          # test-and-yield this long before sleeping between tests
-MAX_PAUSE_S = 0.5e-3     # longest sleep between two tests of the header
+SPIN_S = 100e-6          # test in a loop this long before sleeping between tests
+MAX_PAUSE_S = 0.5e-3     # longest sleep between two tests of a request
 _PIECE = 21              # bits per hash piece: m * sum(a^2) stays exact in int64 up to 2^20 ranks
 _REDUCE_DTYPES = ("float32", "float64", "int8", "uint8", "int16", "uint16", "int32", "int64")
 _BACKEND_OPS = ("sum", "min", "max", "prod", "band", "bor", "bxor")
