@@ -111,6 +111,15 @@ def check_torch() -> None:
         assert (t.float() == sum(range(1, N + 1))).all(), t
         out = hvd.allreduce(cuda_tensor(torch.full((5,), float(R), dtype=dt)), name=f"o.{dt}")
         assert out.dtype == dt and torch.allclose(out.float(), torch.full((5,), (N - 1) / 2))
+    # unnamed and blocking: checked against the other ranks on this thread (direct.py), then
+    # reduced by the engine on the device path (the direct path never reduces GPU memory)
+    path = api.engine().groups[0].direct
+    assert path is not None, "no direct path (MPI_THREAD_MULTIPLE missing?)"
+    calls, reduced = path.calls, path.reduced
+    u = hvd.allreduce(cuda_tensor(torch.full((4,), float(R))), op=hvd.Sum)
+    assert torch.allclose(u.float(), torch.full((4,), float(sum(range(N))))), u
+    assert (path.calls, path.reduced) == (calls + 1, reduced), (path.calls, path.reduced)
+    assert submitted[-1].device, submitted[-1]
     flags = cuda_tensor(torch.tensor([R == 0, False, True]))
     hvd.allreduce_(flags, op=hvd.Max, name="flags")
     assert flags.tolist() == [True, False, True]
