@@ -52,6 +52,13 @@ def test_direct_path_of_small_unnamed_allreduces(np_, overlap):
     assert out.count("direct ok") == np_, out
 
 
+@pytest.mark.parametrize("np_,overlap,local", [(3, "0", "0"), (4, "1", "2")])
+def test_direct_and_engine_paths_interleaved_at_random(np_, overlap, local):
+    out = run_mpi(np_, [W + "direct_mixed.py"], env={"LCC_OVERLAP": overlap,
+                                                     "LCC_LOCAL_SIZE": local}).stdout
+    assert out.count("mixed ok") == np_, out
+
+
 def test_direct_path_stalls_and_shutdowns_end_in_errors_on_every_rank():
     out = run_mpi(3, [W + "direct_stall.py"], env={"LCC_STALL_CHECK_TIME": "1",
                                                    "LCC_STALL_SHUTDOWN_TIME": "2"},
