@@ -55,7 +55,7 @@ import numpy as np
 
 from . import dtypes
 from .exceptions import LightCCError, MismatchError, ShutdownError, StallError
-from .executor import _finish_scaling
+from .executor import _finish_scaling, prescale
 
 log = logging.getLogger("lightcc")
 
@@ -88,7 +88,7 @@ class _Plan:
     """What one call signature needs, computed once: the header this rank sends, the sums
     that mean "every rank sent it", and the payload's MPI type and op."""
 
-    __slots__ = ("header", "agreed", "rdt", "mtype", "mop", "nan", "desc", "direct")
+    __slots__ = ("header", "agreed", "rdt", "mtype", "mop", "nan", "desc")
 
     header: np.ndarray
     agreed: bytes
@@ -109,7 +109,6 @@ class _Plan:
                                 _REDUCE_DTYPES.index(self.rdt.name), _BACKEND_OPS.index(bop),
                                 math.prod(shape), int(self.nan), int(direct)], np.int64)
         self.agreed = (self.header * size).tobytes()     # the sums when every member sent it
-        self.direct = direct                    # the payload follows here (else: the engine)
         self.mtype = MPI._typedict[self.rdt.char]
         self.mop = getattr(MPI, _OPS[bop])
         self.desc = _describe(sig)
@@ -156,11 +155,7 @@ class DirectPath:
                 return None
             self.reduced += 1
             buf = np.array(arr, dtype=plan.rdt, order="C", copy=True).reshape(-1)
-            if pre != 1.0:
-                if dtype in dtypes.FLOATING:
-                    buf *= pre
-                elif dtype in dtypes.INTEGER:
-                    dtypes.scale_integers(buf, pre)
+            prescale(buf, dtype, pre)
             self._payload(buf, plan.mtype, plan.mop, plan.nan, engine, plan)
         _finish_scaling(buf, op, dtype, self.size, post)
         result = buf.reshape(arr.shape)

@@ -184,8 +184,8 @@ class Engine:
         self.settings = ExecSettings.from_config(config)
         self.groups: dict[int, Group] = {0: Group(0, tuple(range(self.size)), self.topo,
                                                   self.settings, progress=self._pump,
-                                                  direct=self._direct_path(mpi_comm,
-                                                                           self.size))}
+                                                  direct=self._direct_path(
+                                                      mpi_comm, tuple(range(self.size))))}
         self.tracer: Tracer = NULL
         self.batches = 0                     # batches executed
         self.cache = ResponseCache(config.cache_capacity)
@@ -724,7 +724,7 @@ class Engine:
             if "fusion_threshold" in settings:
                 self.coordinator.fusion_threshold = self.settings.fusion_threshold
 
-    def _direct_path(self, comm: Any, ranks: Any) -> Any:
+    def _direct_path(self, comm: Any, ranks: tuple[int, ...]) -> Any:
         """A process set's direct path (collective over ``comm``: it duplicates it), or None
         when LCC_DIRECT_BYTES is 0 or MPI lacks MPI_THREAD_MULTIPLE (the calling thread would
         use MPI beside the engine's)."""
@@ -732,7 +732,6 @@ class Engine:
 
         if self.config.direct_bytes <= 0 or MPI.Query_thread() < MPI.THREAD_MULTIPLE:
             return None
-        ranks = tuple(range(ranks)) if isinstance(ranks, int) else tuple(ranks)
         return DirectPath(comm.Dup(), ranks, self.config.stall_check_time,
                           self.config.stall_shutdown_time)
 

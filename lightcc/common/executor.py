@@ -64,6 +64,17 @@ def _float_factor(op: str, n: int, postscale: float) -> float:
     return postscale / n if op == "average" else postscale
 
 
+def prescale(buf: np.ndarray, dtype: str, factor: float) -> None:
+    """Multiply a host reduction buffer by the prescale factor in place (Horovod's float64
+    scaling for integers; bool is never scaled)."""
+    if factor == 1.0:
+        return
+    if dtype in dtypes.FLOATING:
+        buf *= factor
+    elif dtype in dtypes.INTEGER:
+        dtypes.scale_integers(buf, factor)
+
+
 def _finish_scaling(buf: Any, op: str, dtype: str, n: int, postscale: float) -> None:
     if dtype in dtypes.FLOATING:
         factor = _float_factor(op, n, postscale)
@@ -117,10 +128,7 @@ def allreduce_bucket(group: Group, resps: list[Response],
             else:
                 part[...] = np.asarray(entry.array).reshape(-1)
             offset += size
-    if floating and req.prescale != 1.0:
-        buf *= req.prescale
-    elif req.prescale != 1.0 and req.dtype in dtypes.INTEGER:
-        dtypes.scale_integers(buf, req.prescale)
+    prescale(buf, req.dtype, req.prescale)
     bctx = _bucket_context(group, resps, entries, sizes)
     offsets = bctx.offsets
     tracer = group.tracer

@@ -79,15 +79,17 @@ class ResidualMemory:
     def parts(self, n: int, ctx: BucketContext) -> list[tuple[int, np.ndarray]]:
         """``(start in the buffer, residual view)`` for each tensor in a host buffer of ``n``
         elements, in order, making zero residuals for tensors without one; a compressor
-        updates them in place (then :meth:`touch`)."""
-        out = []
+        updates them in place. The tensors count as seen at ``ctx``'s step (:meth:`touch`)."""
+        out, names = [], []
         for name, size, lo, hi, tlo in segments(ctx, n):
+            names.append(name)
             r = self.residuals.get(name)
             if r is None or r.size != size:
                 r = self.residuals[name] = np.zeros(size, np.float32)
             elif type(r) is not np.ndarray:           # the tensor moved from the GPU
                 r = self.residuals[name] = host_copy(r).astype(np.float32)
             out.append((lo, r[tlo:tlo + hi - lo]))
+        self.touch(ctx, names)
         return out
 
     def touch(self, ctx: BucketContext, names: Iterable[str] | None = None) -> None:

@@ -95,10 +95,7 @@ class TopKCompressor:
         tensors as ``(start, array)``) in one pass, each tensor's residual updated in place."""
         from ..kernels.sparse import ef_topk
 
-        parts = self.memory.parts(n, ctx)
-        idx, vals = ef_topk(buf, parts, self.k_for(n))
-        self.memory.touch(ctx, [name for name, *_ in segments(ctx, n)])
-        return idx, vals
+        return ef_topk(buf, self.memory.parts(n, ctx), self.k_for(n))
 
     def _exchange(self, comm: Communicator, idx: Any, vals: Any, out: Any, xp: Any,
                   codecs: Any) -> None:
