@@ -23,6 +23,35 @@ __device__ __forceinline__ lcc_i64 lcc_find_tensor(const lcc_i64* __restrict__ b
     return lo;
 }
 
+template <typename T, bool SCALE>
+__device__ __forceinline__ void lcc_copy_range(const T* __restrict__ src, T* __restrict__ dst,
+                                               lcc_i64 lo, lcc_i64 hi, float scale) {
+    lcc_i64 i = lo + threadIdx.x;
+    // 16-byte loads and stores when both sides are aligned there (the same answer for the
+    // whole block): element-wise copies of 4-byte values reached 0.42x torch.cat on an H200.
+    if ((((lcc_u64)(src + lo)) & 15u) == 0 && (((lcc_u64)(dst + lo)) & 15u) == 0) {
+        constexpr int PER = 16 / sizeof(T);
+        const lcc_i64 nvec = (hi - lo) / PER;
+        const uint4* s4 = reinterpret_cast<const uint4*>(src + lo);
+        uint4* d4 = reinterpret_cast<uint4*>(dst + lo);
+        for (lcc_i64 j = threadIdx.x; j < nvec; j += blockDim.x) {
+            if constexpr (SCALE) {
+                float4 v = reinterpret_cast<const float4*>(s4)[j];
+                v.x = v.x * scale; v.y = v.y * scale; v.z = v.z * scale; v.w = v.w * scale;
+                reinterpret_cast<float4*>(d4)[j] = v;
+            } else {
+                d4[j] = s4[j];
+            }
+        }
+        i = lo + nvec * PER + threadIdx.x;
+    }
+    for (; i < hi; i += blockDim.x) {
+        T v = src[i];
+        if constexpr (SCALE) v = (T)(v * scale);
+        dst[i] = v;
+    }
+}
+
 template <typename T, bool PACK, bool SCALE>
 __device__ __forceinline__ void lcc_copy_bucket(const lcc_u64* __restrict__ ptrs,
                                                 const lcc_i64* __restrict__ offsets,
@@ -37,16 +66,10 @@ __device__ __forceinline__ void lcc_copy_bucket(const lcc_u64* __restrict__ ptrs
     if (hi > size) hi = size;
     T* tensor = reinterpret_cast<T*>(ptrs[t]);
     T* slot = bucket + offsets[t];
-    for (lcc_i64 i = lo + threadIdx.x; i < hi; i += blockDim.x) {
-        if constexpr (PACK) {
-            T v = tensor[i];
-            if constexpr (SCALE) v = (T)(v * scale);
-            slot[i] = v;
-        } else {
-            T v = slot[i];
-            if constexpr (SCALE) v = (T)(v * scale);
-            tensor[i] = v;
-        }
+    if constexpr (PACK) {
+        lcc_copy_range<T, SCALE>(tensor, slot, lo, hi, scale);
+    } else {
+        lcc_copy_range<T, SCALE>(slot, tensor, lo, hi, scale);
     }
 }
 

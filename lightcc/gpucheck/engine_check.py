@@ -167,7 +167,7 @@ def torch_layer(cases: Cases) -> None:
         outs = []
         for where in ("cpu", dev):
             bn = hvd.SyncBatchNorm(4).to(where)
-            xx = x.to(where).requires_grad_()
+            xx = x.clone().to(where).requires_grad_()   # a leaf of its own on each device
             y = bn(xx)
             (y * torch.arange(5.0, device=where)).sum().backward()
             outs.append((y.detach().cpu(), xx.grad.cpu(), bn.running_var.cpu()))

@@ -22,12 +22,18 @@ LIMITS = ("One GPU cannot show: NCCL with several ranks (NCCL refuses two ranks 
 
 
 def verdict(steps: list[dict[str, Any]], gpu: bool = True) -> str:
-    """``pass`` when every step that ran passed and at least one ran, ``no GPU`` when there
-    was nothing to run on, else ``fail``."""
+    """``pass`` when every step ran and passed; ``fail`` when a step that ran failed;
+    ``incomplete (N not run)`` when none failed but some did not run (out of time, no
+    source checkout), since an unrun check proves nothing; ``no GPU`` without a GPU."""
     if not gpu:
         return "no GPU"
     ran = [s for s in steps if s["status"] != "not run"]
-    return "pass" if ran and all(s["status"] == "ok" for s in ran) else "fail"
+    if any(s["status"] != "ok" for s in ran):
+        return "fail"
+    missing = len(steps) - len(ran)
+    if not ran or missing:
+        return f"incomplete ({missing} not run)" if steps else "incomplete (nothing ran)"
+    return "pass"
 
 
 def _table(header: list[str], rows: list[list[Any]]) -> str:

@@ -13,9 +13,14 @@ Steps (each a subprocess with its own time limit, inside one overall budget that
    ranks on one GPU), so the compressors and DistributedOptimizer really exchange data.
 
 Writes ``report.md``, ``report.json`` and ``logs/`` under ``--out`` (default
-``./gpucheck-report``). Without CuPy or a GPU it says so and exits with status 2 at once.
-Exit status 0 when every step that ran passed, else 1. Needs a source checkout (tests/,
-examples/, benchmarks/ next to the package).
+``./gpucheck-report``); ``--tar PATH`` also packs that folder into one ``.tar.gz`` (for machines
+that hand back only a few files). Without CuPy or a GPU it says so and exits with status 2 at
+once. Exit status 0 when every step ran and passed, else 1 (a step that did not run makes the
+verdict "incomplete"). Needs a source checkout (tests/, examples/, benchmarks/ next to the
+package) and runs from it as it is, with whatever torch, CuPy and MPI the machine has: nothing
+is installed. One-rank steps start under ``mpirun -np 1`` when there is one (a singleton MPI
+start forks a daemon under Open MPI 4.1); the two-rank steps need ``mpirun`` and are reported
+as failed, with the reason, when it is missing.
 """
 from __future__ import annotations
 
@@ -84,7 +89,11 @@ def _mpirun() -> str | None:
 
 
 def _mpi(np_: int, args: list[str]) -> list[str]:
-    cmd = [_mpirun() or "mpirun", "-np", str(np_), "--oversubscribe", "--bind-to", "none"]
+    """``mpirun -np N ... args``; for one rank without mpirun, ``args`` alone (singleton)."""
+    launcher = _mpirun()
+    if launcher is None and np_ == 1:
+        return args
+    cmd = [launcher or "mpirun", "-np", str(np_), "--oversubscribe", "--bind-to", "none"]
     if hasattr(os, "geteuid") and os.geteuid() == 0:
         cmd.insert(1, "--allow-run-as-root")
     return cmd + args
@@ -150,20 +159,21 @@ def steps(out: Path, quick: bool) -> list[Step]:
     mb = "64" if quick else "256"
     return [
         Step("gpu-tests", "GPU test suite (tests/gpu)",
-             [py, "-m", "pytest", "tests/gpu", "-m", "gpu", "-q", "-p", "no:cacheprovider",
-              "-o", "addopts=", f"--junitxml={out / 'gpu-tests.xml'}"],
+             _mpi(1, [py, "-m", "pytest", "tests/gpu", "-m", "gpu", "-q", "-p",
+                      "no:cacheprovider", "-o", "addopts=",
+                      f"--junitxml={out / 'gpu-tests.xml'}"]),
              240, lambda o: _junit(o / "gpu-tests.xml"), needs=("tests/gpu",)),
         Step("engine-1rank", "engine, 1 rank, NCCL: every algorithm x compressor",
-             [py, "-m", "lightcc.gpucheck.engine_check", "--cpu-reduce",
-              "--json", str(out / "engine-1rank.json")],
+             _mpi(1, [py, "-m", "lightcc.gpucheck.engine_check", "--cpu-reduce",
+                      "--json", str(out / "engine-1rank.json")]),
              150, lambda o: _engine(o / "engine-1rank.json"), {"LCC_BACKEND": "nccl"}),
         Step("benchmarks", "benchmarks/gpu.py",
-             [py, "benchmarks/gpu.py", "--size-mb", mb, "--reps", "5", "--max-allreduce-mb", mb,
-              "--json", str(out / "benchmarks.json")],
+             _mpi(1, [py, "benchmarks/gpu.py", "--size-mb", mb, "--reps", "5",
+                      "--max-allreduce-mb", mb, "--json", str(out / "benchmarks.json")]),
              150, lambda o: _bench(o / "benchmarks.json"), needs=("benchmarks/gpu.py",)),
         Step("mnist-1rank", "examples/mnist.py --cuda, 1 epoch",
-             [py, "examples/mnist.py", "--cuda", "--epochs", "1", "--json",
-              str(out / "mnist-1rank.json")],
+             _mpi(1, [py, "examples/mnist.py", "--cuda", "--epochs", "1", "--json",
+                      str(out / "mnist-1rank.json")]),
              100, lambda o: _mnist(o / "mnist-1rank.json"), needs=("examples/mnist.py",)),
         Step("engine-2rank", "engine, 2 ranks on 1 GPU, MPI through pinned memory",
              _mpi(2, [py, "-m", "lightcc.gpucheck.engine_check", "--algorithms",
@@ -194,8 +204,14 @@ def run_step(step: Step, out: Path, limit: float) -> dict[str, Any]:
     with open(log, "w", encoding="utf-8") as fh:
         fh.write("$ " + " ".join(step.cmd) + "\n")
         fh.flush()
-        proc = subprocess.Popen(step.cmd, cwd=ROOT, env=env, stdout=fh,
-                                stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            proc = subprocess.Popen(step.cmd, cwd=ROOT, env=env, stdout=fh,
+                                    stderr=subprocess.STDOUT, start_new_session=True)
+        except OSError as exc:                # mpirun (or python) missing, not executable
+            fh.write(f"could not start: {exc}\n")
+            row.update(status="FAIL", seconds=0.0, rc=None,
+                       detail=f"could not start {step.cmd[0]!r}: {exc.strerror or exc}")
+            return row
         try:
             rc = proc.wait(timeout=limit)
         except subprocess.TimeoutExpired:
@@ -224,6 +240,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budget-s", type=float, default=BUDGET_S, help="whole run, seconds")
     ap.add_argument("--only", default="", help="comma-separated step names to run")
     ap.add_argument("--quick", action="store_true", help="smaller benchmark sizes (64 MB)")
+    ap.add_argument("--tar", default=None, metavar="PATH",
+                    help="also pack the report folder into this .tar.gz")
     args = ap.parse_args(argv)
     out = Path(args.out).resolve()
     env = probe()
@@ -250,4 +268,17 @@ def main(argv: list[str] | None = None) -> int:
     doc = report.write(out, env, rows)
     print(report.markdown(doc))
     print(f"gpucheck: report in {out / 'report.md'} and {out / 'report.json'}")
+    if args.tar:
+        print(f"gpucheck: packed into {pack(out, Path(args.tar))}")
     return 0 if doc["verdict"] == "pass" else 1
+
+
+def pack(folder: Path, dest: Path) -> Path:
+    """``folder`` as one gzipped tar at ``dest`` (its entries under the folder's name)."""
+    import tarfile
+
+    dest = dest.resolve()
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    with tarfile.open(dest, "w:gz") as tar:
+        tar.add(folder, arcname=folder.name)
+    return dest

@@ -278,7 +278,7 @@ def _elementwise(fn: Any) -> Any:
 
 
 for _name in ("where", "isnan", "isfinite", "abs", "sort", "ldexp", "left_shift", "multiply",
-              "maximum", "minimum", "logical_not", "concatenate", "add", "subtract"):
+              "maximum", "minimum", "logical_not", "concatenate", "add", "subtract", "cumsum"):
     globals()[_name] = _elementwise(getattr(np, _name))
 
 

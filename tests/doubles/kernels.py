@@ -19,6 +19,7 @@ from typing import Any, Callable
 import numpy as np
 
 CSRC = Path(__file__).resolve().parents[2] / "csrc"
+_THREADS = 256                     # lightcc.common.kernels.cuda.THREADS
 SIZES = {".u64": 8, ".b64": 8, ".s64": 8, ".u32": 4, ".s32": 4, ".b32": 4, ".f32": 4}
 
 
@@ -59,6 +60,11 @@ def check_launch(params: dict | None, module: str, func: str, grid: Any, block: 
             assert isinstance(a, np.float32), f"{func} arg {i} must be float32"
 
 
+def _key_u(keys: np.ndarray) -> np.ndarray:
+    """|x| bits of TopK candidate keys (csrc/topk.cu: key = ~bits << 32 | index)."""
+    return (~(keys >> np.uint64(32))).astype(np.uint32)
+
+
 def emulate(func: str, args: tuple, to_np: Callable[[Any], Any],
             deref: Callable[[int, Any, int], np.ndarray]) -> None:
     """Run kernel ``func`` on NumPy per its contract in csrc/.
@@ -70,7 +76,7 @@ def emulate(func: str, args: tuple, to_np: Callable[[Any], Any],
     from lightcc.common.kernels import floatcast as fc
 
     a = [to_np(v) if to_np(v) is not None else
-         (None if isinstance(v, np.uint64) and func != "lcc_topk_sample" and v == 0 else v)
+         (None if isinstance(v, np.uint64) and func not in ("lcc_topk_sample", "lcc_topk_threshold") and v == 0 else v)
          for v in args]                                  # np.uint64(0) is a null pointer
     fmt = fc.FORMATS.get(func.rsplit("_", 1)[-1])
     if func in ("lcc_amax_warp", "lcc_amax_big"):
@@ -106,8 +112,60 @@ def emulate(func: str, args: tuple, to_np: Callable[[Any], Any],
     elif func == "lcc_topk_sample":
         x, n, ns, seed, out = a
         out[:] = np.abs(x[np.random.default_rng(int(seed)).integers(0, n, ns)])
+        out[np.isnan(out)] = np.inf
+    elif func == "lcc_topk_hist":
+        keys, m, state, shift, bits, first, hist = a
+        u = _key_u(keys[:m])
+        if not first:
+            u = u[(u & np.uint32(state[1])) == np.uint32(state[0])]
+        np.add.at(hist, (u >> np.uint32(shift)) & np.uint32((1 << bits) - 1), 1)
+    elif func == "lcc_topk_pick":
+        hist, state, shift, bits, k_init = a
+        if k_init > 0:
+            state[:] = [0, 0, k_init, 0]
+        before = 0
+        for b in range((1 << bits) - 1, -1, -1):
+            h = int(hist[b])
+            if before < int(state[2]) <= before + h:
+                state[0] |= np.uint64(b << shift)
+                state[1] |= np.uint64(((1 << bits) - 1) << shift)
+                state[2] -= np.uint64(before)
+                state[3] += np.uint64(before)
+                break
+            before += h
+        hist[:] = 0
+    elif func == "lcc_topk_mark":
+        keys, m, state, gt, tie = a
+        u, idx = _key_u(keys[:m]), (keys[:m] & np.uint64(0xFFFFFFFF)).astype(np.int64)
+        v = np.uint32(state[0])
+        for mask, sel in ((gt, u > v), (tie, u == v)):
+            np.bitwise_or.at(mask, idx[sel] >> 5, np.left_shift(np.uint32(1),
+                                                               (idx[sel] & 31).astype(np.uint32)))
+    elif func == "lcc_topk_block_counts":
+        gt, tie, nw, counts = a
+        for j, mask in enumerate((gt, tie)):
+            pop = np.bitwise_count(mask[:nw]).astype(np.int64)
+            pop = np.concatenate([pop, np.zeros(-nw % _THREADS, np.int64)])
+            counts[j::2] = pop.reshape(-1, _THREADS).sum(axis=1)
+    elif func == "lcc_topk_scan_blocks":
+        counts, nb = a
+        for j in range(2):
+            c = counts[j:2 * nb:2].copy()
+            counts[j:2 * nb:2] = np.cumsum(c) - c
+    elif func == "lcc_topk_emit":
+        gt, tie, nw, excl, state, out = a
+        ones = [np.flatnonzero(np.unpackbits(m[:nw].view(np.uint8), bitorder="little"))
+                for m in (gt, tie)]
+        out[:] = np.sort(np.concatenate([ones[0], ones[1][:int(state[2])]]))
+    elif func == "lcc_topk_threshold":
+        x, n, seed, rank, thr = a
+        sample = np.abs(x[np.random.default_rng(int(seed)).integers(0, n, 8192)])
+        sample[np.isnan(sample)] = np.inf
+        thr[0] = np.sort(sample)[::-1][int(rank) - 1] if rank <= 8192 else 0.0
     elif func == "lcc_topk_select":
-        x, n, thr, cap, count, keys = a
+        x, n, thr, thr_dev, cap, count, keys = a
+        if thr_dev is not None:
+            thr = thr_dev[0]
         with np.errstate(invalid="ignore"):
             cand = np.flatnonzero(~(np.abs(x[:n]) < thr))
         bits = np.abs(x[cand]).view(np.uint32).astype(np.uint64)

@@ -99,6 +99,72 @@ def test_topk_matches_cpu(n, k):
     np.testing.assert_array_equal(got, want)
 
 
+@pytest.mark.parametrize("case", ["all-equal", "k=n", "k=1-nan", "zeros-and-inf", "odd-n"])
+def test_topk_edge_cases_match_cpu(case):
+    """The radix select and the ordered emit against the CPU kernel where ties or non-finite
+    values decide: every value equal (only the index breaks ties), k = n, NaN and Inf at the
+    top, n not a multiple of 32 (the last bitmask word is partial)."""
+    rng = np.random.default_rng(11)
+    n, k = 200_003, 2_000
+    x = rng.standard_normal(n).astype(np.float32)
+    if case == "all-equal":
+        x[:] = 0.5
+    elif case == "k=n":
+        n, k = 5_001, 5_001
+        x = x[:n].copy()
+    elif case == "k=1-nan":
+        k = 1
+        x[[10, 20]] = [np.inf, np.nan]
+    elif case == "zeros-and-inf":
+        x[:] = 0.0
+        x[rng.integers(0, n, 50)] = -np.inf
+    else:
+        n, k = 1_000_037, 9_999
+        x = rng.standard_normal(n).astype(np.float32)
+        x[::3] = 2.0
+    got = gpu.topk_indices(cupy.asarray(x), k).get()
+    np.testing.assert_array_equal(got, sparse.topk_indices(x, k))
+
+
+@pytest.mark.parametrize("fmt", list(fc.FORMATS))
+@pytest.mark.parametrize("offset", [0, 1, 3])
+def test_encode_decode_vector_and_scalar_paths_agree(fmt, offset):
+    """Views that start 4 or 12 bytes into an allocation take the kernels' scalar loop, aligned
+    ones the 8-wide vector loop; n % 8 != 0 exercises the tail. Both match the CPU codec."""
+    f = fc.FORMATS[fmt]
+    x = _data(100_013, seed=offset)
+    dev = cupy.asarray(x)[offset:]
+    host = x[offset:]
+    exps = fc.scale_exponents(fc.block_amax(host, 64), f.max)
+    codes = cupy.zeros(host.size + offset, f.code_dtype)[offset:]
+    gpu.encode(dev, f, cupy.asarray(exps.astype(np.int32)), 64, out=codes)
+    want = fc.encode(host, f, exps.astype(np.int64), 64)
+    np.testing.assert_array_equal(codes.get(), want)
+    acc_host = np.full(host.size, 0.5, np.float32)
+    fc.decode(want, f, fc.exps_to_scales(exps), 64, out=acc_host, accumulate=True)
+    acc = cupy.full(host.size + offset, 0.5, np.float32)[offset:]
+    gpu.decode(codes, f, cupy.asarray(fc.exps_to_scales(exps)), 64, out=acc, accumulate=True)
+    got = acc.get()
+    tiny = np.abs(acc_host) < FLT_MIN
+    assert _same_bits(got, acc_host)[~tiny].all()
+
+
+@pytest.mark.parametrize("offset", [0, 1])
+def test_pack_unaligned_views_and_scale(offset):
+    """Tensors that start off a 16-byte boundary take pack's scalar loop; aligned ones the
+    16-byte loop (the bucket slot of the second tensor is unaligned when the first has an odd
+    size)."""
+    rng = np.random.default_rng(3)
+    host = [rng.standard_normal(s).astype(np.float32) for s in (4097, 10_001, 7)]
+    dev = [cupy.asarray(np.concatenate([np.zeros(offset, np.float32), h]))[offset:]
+           for h in host]
+    bucket = gpu.pack(dev, scale=0.25)
+    np.testing.assert_array_equal(bucket.get(), np.concatenate(host) * np.float32(0.25))
+    gpu.unpack(bucket, dev, scale=4.0)
+    for h, d in zip(host, dev):
+        np.testing.assert_array_equal(d.get(), h)
+
+
 def test_scatter_add_matches_numpy():
     rng = np.random.default_rng(5)
     out = rng.standard_normal(10_000).astype(np.float32)

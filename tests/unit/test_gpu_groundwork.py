@@ -22,6 +22,7 @@ import pytest
 
 from lightcc.common.exceptions import CollectiveError, InvalidArgumentError, LightCCError
 from lightcc.common.kernels import cuda as kc
+from lightcc.common.kernels import sparse
 from tests.doubles import kernels
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -136,8 +137,11 @@ class FakeStream:
         self.done = done
         self.waited = []
 
-    def record(self):
-        return FakeEvent(self.done)
+    def record(self, event=None):
+        if event is None:
+            return FakeEvent(self.done)
+        event.done = self.done
+        return event
 
     def wait_event(self, ev):
         self.waited.append(ev)
@@ -147,7 +151,7 @@ def make_fake_cupy():
     cp = types.ModuleType("cupy")
     cp.ndarray = FakeArr
     for name in ("zeros", "ones", "arange", "asarray", "ascontiguousarray", "sort", "ldexp",
-                 "isnan"):
+                 "isnan", "cumsum"):
         setattr(cp, name, _w(getattr(np, name)))
     cp.empty = _w(np.zeros)             # no garbage: the fake kernels never write
     current = FakeStream(ptr=1)
@@ -155,7 +159,8 @@ def make_fake_cupy():
                                     memcpyDeviceToDevice=3, copies=[],
                                     memcpyAsync=lambda *a: runtime.copies.append(a))
     cp.cuda = types.SimpleNamespace(runtime=runtime, Stream=lambda non_blocking=True: FakeStream(),
-                                    get_current_stream=lambda: current)
+                                    get_current_stream=lambda: current,
+                                    Event=lambda block=False, disable_timing=False: FakeEvent())
     return cp
 
 
@@ -207,8 +212,10 @@ def test_gpu_launches_match_kernel_signatures(fake_gpu, ptx_params):
         stacked = cp.zeros(2 * x.size, f.code_dtype)
         gpu.decode_sum(stacked, f, cp.ones(2, np.float32), x.size, nsrc=2)
     big = cp.asarray(np.random.default_rng(1).standard_normal(200_000).astype(np.float32))
-    for arr, k in ((x, 50), (big, 2000)):
-        gpu.topk_indices(arr, k)
+    ties = cp.asarray(np.ones(200_000, np.float32))     # the sample cannot separate: retry loop
+    for arr, k in ((x, 50), (big, 2000), (ties, 2000)):
+        got = gpu.topk_indices(arr, k).get()
+        np.testing.assert_array_equal(got, sparse.topk_indices(np.asarray(arr), k))
     out = cp.zeros(100, np.float32)
     for dt in (np.int32, np.int64):
         gpu.scatter_add(cp.arange(10, dtype=dt), cp.ones(10, np.float32), out)

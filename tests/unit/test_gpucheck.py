@@ -101,7 +101,47 @@ def test_runner_reports_every_step(tmp_path, monkeypatch, capsys):
 
 def test_verdict():
     ok = {"status": "ok"}
-    assert report.verdict([ok, {"status": "not run"}]) == "pass"
-    assert report.verdict([ok, {"status": "FAIL"}]) == "fail"
-    assert report.verdict([{"status": "not run"}]) == "fail"
+    assert report.verdict([ok, ok]) == "pass"
+    assert report.verdict([ok, {"status": "not run"}]) == "incomplete (1 not run)"
+    assert report.verdict([ok, {"status": "FAIL"}, {"status": "not run"}]) == "fail"
+    assert report.verdict([{"status": "not run"}]) == "incomplete (1 not run)"
+    assert report.verdict([]) == "incomplete (nothing ran)"
     assert report.verdict([], gpu=False) == "no GPU"
+
+
+def test_missing_launcher_fails_the_step_and_the_run_goes_on(tmp_path, monkeypatch):
+    """A step whose program cannot start (no mpirun on the machine) is a FAIL with the reason;
+    the steps after it still run, the report is written and --tar packs it into one file."""
+    out = tmp_path / "rep"
+
+    def steps(out_dir: Path, quick: bool) -> list[run.Step]:
+        return [run.Step("engine-2rank", "two ranks", ["/no/such/mpirun", "-np", "2"], 20,
+                         lambda o: run._engine(o / "e.json")),
+                run.Step("engine-1rank", "one rank", _writer("e.json", ENGINE) + [str(out_dir)],
+                         20, lambda o: run._engine(o / "e.json"))]
+
+    monkeypatch.setattr(run, "probe", lambda: {"gpu": True, "summary": "1 x H100"})
+    monkeypatch.setattr(run, "steps", steps)
+    rc = run.main(["--out", str(out), "--tar", str(tmp_path / "gc.tgz")])
+    assert rc == 1
+    doc = json.loads((out / "report.json").read_text())
+    first, second = doc["steps"]
+    assert first["status"] == "FAIL" and "could not start '/no/such/mpirun'" in first["detail"]
+    assert "No such file" in first["detail"]
+    assert second["status"] == "ok"
+    import tarfile
+
+    with tarfile.open(tmp_path / "gc.tgz") as tar:
+        names = set(tar.getnames())
+    assert {"rep/report.md", "rep/report.json", "rep/logs/engine-2rank.log"} <= names
+
+
+def test_one_rank_steps_use_mpirun_when_there_is_one(monkeypatch, tmp_path):
+    monkeypatch.setattr(run, "_mpirun", lambda: "/usr/bin/mpirun")
+    cmds = {s.name: s.cmd for s in run.steps(tmp_path, quick=True)}
+    assert all(c[0] == "/usr/bin/mpirun" and c[c.index("-np") + 1] in ("1", "2")
+               for c in cmds.values())
+    monkeypatch.setattr(run, "_mpirun", lambda: None)
+    cmds = {s.name: s.cmd for s in run.steps(tmp_path, quick=True)}
+    assert cmds["engine-1rank"][0] == sys.executable          # singleton start as a fallback
+    assert cmds["engine-2rank"][0] == "mpirun"                 # fails to start, reported

@@ -147,9 +147,18 @@ def get_module(name: str) -> Any:
     return mod
 
 
+_functions: dict[tuple[str, str, int], Any] = {}
+
+
 def get_function(name: str, func: str) -> Any:
-    """Kernel ``func`` (an ``extern "C"`` name) of ``csrc/<name>``."""
-    return get_module(name).get_function(func)
+    """Kernel ``func`` (an ``extern "C"`` name) of ``csrc/<name>`` (cached per device: a
+    lookup in the compiled module costs microseconds that every launch would pay)."""
+    cupy = cupy_or_raise()
+    key = (name, func, cupy.cuda.runtime.getDevice())
+    fn = _functions.get(key)
+    if fn is None:
+        fn = _functions[key] = get_module(name).get_function(func)
+    return fn
 
 
 def grid_for(n: int, per_thread: int = 1, threads: int = THREADS, max_blocks: int = 65536) -> int:
