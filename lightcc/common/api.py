@@ -317,6 +317,10 @@ def _pset_id(process_set: Any) -> int:
 
 
 def _as_array(value: Any, what: str) -> np.ndarray:
+    if getattr(value, "requires_grad", False) is True:
+        raise InvalidArgumentError(f"{what}: the tensor requires grad, and the core API takes "
+                                   f"plain arrays; pass tensor.detach(), or use lightcc.torch, "
+                                   f"whose collectives are differentiable")
     if isinstance(value, np.ndarray):
         arr = value
     elif isinstance(value, (list, tuple, int, float, bool, np.generic)):

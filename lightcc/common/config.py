@@ -161,9 +161,9 @@ KNOBS: tuple[Knob, ...] = (
          "shared-memory collectives starve for CPU.", _choice(("auto", "0", "1"))),
     Knob("backend", "LCC_BACKEND", lambda t: t.strip().lower(), "auto", "",
          "Backend for GPU arrays (host arrays always use MPI): nccl = NCCL through CuPy, an "
-         "error at the first GPU collective if a rank lacks it; mpi = MPI through pinned host "
-         "buffers; auto = nccl when every rank of the process set has CuPy, NCCL and a GPU, "
-         "else mpi.", _choice(BACKENDS)),
+         "error at the first GPU collective if a rank lacks it or two ranks share a GPU; mpi = "
+         "MPI through pinned host buffers; auto = nccl when every rank of the process set has "
+         "CuPy, NCCL and a GPU of its own, else mpi.", _choice(BACKENDS)),
     Knob("cpu_reduce", "LCC_CPU_REDUCE", _parse_bool, False, "",
          "GPU allreduce buckets are copied once to pinned host memory, reduced there by the "
          "host algorithm and compressor over MPI (inside and across nodes), and copied back "

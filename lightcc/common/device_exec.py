@@ -79,17 +79,6 @@ def narrow(cupy: Any, src: Any, name: str, out: Any, scale: float = 1.0) -> None
     cupy.copyto(out.view(np.uint16), cupy.where(cupy.isnan(x), nan, rne), casting="unsafe")
 
 
-def finish_scaling(cupy: Any, buf: Any, op: str, name: str, n: int, post: float) -> None:
-    """Average and postscale of a reduced device buffer (integer average truncates to 0)."""
-    if name in dtypes.FLOATING:
-        factor = executor._float_factor(op, n, post)
-        if factor != 1.0:
-            buf *= factor
-    elif op == "average" and name in dtypes.INTEGER:
-        quotient = cupy.abs(buf) // n
-        cupy.copyto(buf, cupy.where(buf < 0, -quotient, quotient), casting="unsafe")
-
-
 # ---- stream bracket ---------------------------------------------------------------------------
 def _run(group: Group, entries: list, body: Any) -> Any:
     """``body(cupy, dev)`` on the set's GPU with the engine stream current, after every
@@ -189,8 +178,8 @@ def _allreduce(cupy: Any, group: Group, dev: Any, resps: list[Response],
     else:
         buf = group.fusion.get(rdt, sum(sizes), xp=cupy)
         scaled = _pack(cupy, buf, entries, sizes, name, req.prescale if floating else 1.0)
-    if floating and req.prescale != 1.0 and not scaled:
-        buf *= req.prescale
+    if not scaled:
+        executor.prescale(buf, name, req.prescale, xp=cupy)
     offsets = displacements(sizes)
     names = tuple(r.request.name if e is None or e.request is None else e.request.name
                   for r, e in zip(resps, entries))
@@ -212,7 +201,7 @@ def _allreduce(cupy: Any, group: Group, dev: Any, resps: list[Response],
         cupy.copyto(buf, np.float32(np.nan).astype(buf.dtype), where=nan_mask.view(bool))
     factor = 1.0
     if direct or not floating:
-        finish_scaling(cupy, buf, req.op, name, n, req.postscale)
+        executor._finish_scaling(buf, req.op, name, n, req.postscale, xp=cupy)
     else:
         factor = executor._float_factor(req.op, n, req.postscale)
     t2 = time.perf_counter() if group.tracer.enabled else 0.0
@@ -306,8 +295,9 @@ def _reducescatter(cupy: Any, dev: Any, resp: Response, entry: Any) -> Any:
         widen(cupy, _flat(entry.array), name, send)
     else:
         send = _flat(entry.array, rdt)
-    if name in dtypes.FLOATING and req.prescale != 1.0:
-        send = send * send.dtype.type(req.prescale)       # a new array: the input stays
+    if req.prescale != 1.0:                             # a new array: the input stays
+        send = send.copy()
+        executor.prescale(send, name, req.prescale, xp=cupy)
     recv = cupy.empty(counts[me], rdt)
     mask = None
     if name in dtypes.FLOATING and req.op in ("min", "max"):
@@ -316,7 +306,7 @@ def _reducescatter(cupy: Any, dev: Any, resp: Response, entry: Any) -> Any:
     world.reduce_scatterv(send, recv, counts, dtypes.backend_op(req.op, name))
     if mask is not None:
         cupy.copyto(recv, np.float32(np.nan).astype(recv.dtype), where=mask.view(bool))
-    finish_scaling(cupy, recv, req.op, name, n, req.postscale)
+    executor._finish_scaling(recv, req.op, name, n, req.postscale, xp=cupy)
     store = entry.array.array.dtype
     if name in _WIDENED:
         out = cupy.empty(counts[me], store)

@@ -6,6 +6,8 @@ ops (band, bor, bxor) apply to integer and bool tensors only.
 """
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from .exceptions import InvalidArgumentError, UnsupportedDTypeError
@@ -80,7 +82,8 @@ def check_op(op: str, name: str, what: str) -> None:
                                     f"tensor, got {name}")
 
 
-def scale_integers(values: np.ndarray, factor: float, out: np.ndarray | None = None) -> np.ndarray:
+def scale_integers(values: np.ndarray, factor: float, out: np.ndarray | None = None,
+                   xp: Any = np) -> np.ndarray:
     """``values * factor`` for an integer array, the way Horovod scales integer tensors.
 
     Horovod multiplies each element by the float64 factor and converts back to the element
@@ -88,11 +91,11 @@ def scale_integers(values: np.ndarray, factor: float, out: np.ndarray | None = N
     ``1/size`` is folded into that factor. lightcc computes the same float64 product and
     truncation; a result outside the element type's range wraps like an integer overflow
     (Horovod leaves that case undefined). Writes into ``out`` (default: ``values``, in place)
-    and returns it.
+    and returns it. ``xp``: the array module (NumPy, or CuPy for device arrays).
     """
     target = values if out is None else out
-    product = np.trunc(values.astype(np.float64) * np.float64(factor))
-    np.copyto(target, product.astype(np.int64), casting="unsafe")
+    product = xp.trunc(values.astype(np.float64) * np.float64(factor))
+    xp.copyto(target, product.astype(np.int64), casting="unsafe")
     return target
 
 

@@ -53,10 +53,10 @@ def _prod(shape: tuple[int, ...]) -> int:
     return int(math.prod(shape))
 
 
-def _scale_integer_average(buf: np.ndarray, n: int) -> None:
+def _scale_integer_average(buf: Any, n: int, xp: Any = np) -> None:
     """Integer average that truncates toward zero, exactly (no float round trip)."""
-    quotient = np.abs(buf) // n
-    np.copyto(buf, np.where(buf < 0, -quotient, quotient).astype(buf.dtype, copy=False))
+    quotient = xp.abs(buf) // n
+    xp.copyto(buf, xp.where(buf < 0, -quotient, quotient), casting="unsafe")
 
 
 def _float_factor(op: str, n: int, postscale: float) -> float:
@@ -64,18 +64,20 @@ def _float_factor(op: str, n: int, postscale: float) -> float:
     return postscale / n if op == "average" else postscale
 
 
-def prescale(buf: np.ndarray, dtype: str, factor: float) -> None:
-    """Multiply a host reduction buffer by the prescale factor in place (Horovod's float64
-    scaling for integers; bool is never scaled)."""
+def prescale(buf: Any, dtype: str, factor: float, xp: Any = np) -> None:
+    """Multiply a reduction buffer by the prescale factor in place (Horovod's float64 scaling
+    for integers; bool is never scaled). ``xp``: NumPy, or CuPy for a device buffer."""
     if factor == 1.0:
         return
     if dtype in dtypes.FLOATING:
         buf *= factor
     elif dtype in dtypes.INTEGER:
-        dtypes.scale_integers(buf, factor)
+        dtypes.scale_integers(buf, factor, xp=xp)
 
 
-def _finish_scaling(buf: Any, op: str, dtype: str, n: int, postscale: float) -> None:
+def _finish_scaling(buf: Any, op: str, dtype: str, n: int, postscale: float,
+                    xp: Any = np) -> None:
+    """Average and postscale of a reduced buffer, on the host or (``xp`` CuPy) the device."""
     if dtype in dtypes.FLOATING:
         factor = _float_factor(op, n, postscale)
         if factor != 1.0:
@@ -83,9 +85,9 @@ def _finish_scaling(buf: Any, op: str, dtype: str, n: int, postscale: float) -> 
     elif dtype in dtypes.INTEGER and postscale != 1.0:     # Horovod's float64 scaling
         factor = _float_factor(op, n, postscale)
         if factor != 1.0:
-            dtypes.scale_integers(buf, factor)
+            dtypes.scale_integers(buf, factor, xp=xp)
     elif op == "average" and dtype in dtypes.INTEGER:
-        _scale_integer_average(buf, n)
+        _scale_integer_average(buf, n, xp)
 
 
 def allreduce_bucket(group: Group, resps: list[Response],

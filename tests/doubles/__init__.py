@@ -32,7 +32,8 @@ def build_cupy() -> types.ModuleType:
     """Fresh ``cupy``, ``cupy.cuda`` and ``cupy.cuda.nccl`` module objects over the doubles."""
     cupy = _module("cupy", fake_cupy, [
         "ndarray", "empty", "zeros", "ones", "full", "arange", "asarray", "ascontiguousarray",
-        "from_dlpack", "where", "isnan", "isfinite", "abs", "sort", "cumsum", "ldexp", "left_shift",
+        "from_dlpack", "where", "isnan", "isfinite", "abs", "sort", "cumsum", "trunc", "ldexp",
+        "left_shift",
         "multiply", "maximum", "minimum", "logical_not", "concatenate", "add", "subtract",
         "copyto", "linalg"])
     cupy.__version__ = "14.0.0-fake"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ctypes
 import itertools
+import os
 import threading
 import types
 import weakref
@@ -93,6 +94,12 @@ class Device:
     def __init__(self, device: int | None = None) -> None:
         self.id = current_device() if device is None else int(device)
         assert 0 <= self.id < DEVICE_COUNT[0], f"no GPU {self.id}"
+
+    @property
+    def pci_bus_id(self) -> str:
+        """The doubles give every rank (thread or process) a GPU of its own, as NCCL needs;
+        a test that wants two ranks on one GPU patches factory.device_key."""
+        return f"fake:{os.getpid()}:{threading.get_ident()}:{self.id}"
 
     def use(self) -> None:
         _tls.device = self.id

@@ -278,7 +278,8 @@ def _elementwise(fn: Any) -> Any:
 
 
 for _name in ("where", "isnan", "isfinite", "abs", "sort", "ldexp", "left_shift", "multiply",
-              "maximum", "minimum", "logical_not", "concatenate", "add", "subtract", "cumsum"):
+              "maximum", "minimum", "logical_not", "concatenate", "add", "subtract", "cumsum",
+              "trunc"):
     globals()[_name] = _elementwise(getattr(np, _name))
 
 

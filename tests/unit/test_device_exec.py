@@ -100,12 +100,29 @@ def _same(a: list, b: list) -> None:
     ("float16", "average", 1.0, 1.0), ("bfloat16", "sum", 2.0, 0.25),
     ("int32", "average", 1.0, 1.0), ("float64", "max", 1.0, 1.0),
     ("bool", "sum", 1.0, 1.0), ("int64", "min", 1.0, 1.0), ("int16", "average", 1.0, 1.0),
-    ("uint16", "max", 1.0, 1.0)])
+    ("uint16", "max", 1.0, 1.0), ("int32", "sum", 2.0, 1.0), ("int64", "average", 1.5, 0.5),
+    ("int32", "sum", 1.0, 0.3)])
 def test_fused_bucket_matches_host_path(gpu, dtype, op, pre, post):
     shapes = [(3, 5), (7,), (2, 2, 2)]           # flat: both sum in rank order
     dev = run_bucket(gpu, 3, shapes, dtype, op, pre, post, exact=False)
     host = run_bucket(gpu, 3, shapes, dtype, op, pre, post, on_device=False, exact=False)
     _same(dev, host)
+
+
+@pytest.mark.parametrize("shapes", [[(4,)], [(3, 5), (7,)]])       # alone, and fused
+def test_integer_scaling_on_device_is_horovods(gpu, shapes):
+    """Horovod scales integers by a float64 product truncated toward zero, before the sum
+    (prescale) and after it (postscale, with an Average's 1/size folded in). The device path
+    once skipped both (int32 prescale 2: [-8 0 -13 7] where the host gives [-16 0 -26 14])."""
+    size, pre, post = 3, 2.0, 0.3
+    got = run_bucket(gpu, size, shapes, "int32", "sum", pre, post)
+    for i, shape in enumerate(shapes):
+        n = math.prod(shape)
+        total = sum(np.trunc(_data(r, n, "int32", i).astype(np.float64) * pre)
+                    for r in range(size))
+        want = np.trunc(total * post).astype(np.int32).reshape(shape)
+        for r in range(size):
+            np.testing.assert_array_equal(got[r][i], want)
 
 
 @pytest.mark.parametrize("algorithm", ["flat", "ring", "tree", "hierarchical", "2d"])
@@ -266,6 +283,32 @@ def test_backend_choice_is_agreed(gpu, monkeypatch, setting, missing_on, want):
         assert got == ["NCCLCommunicator" if want == "nccl" else "StagedCommunicator"] * 2
 
 
+@pytest.mark.parametrize("setting", ["auto", "nccl"])
+def test_ranks_sharing_a_gpu_never_get_nccl(gpu, monkeypatch, setting):
+    """NCCL refuses two ranks on one GPU ("Duplicate GPU detected" at setup): ``auto`` takes
+    MPI staging on every rank when any two share one, ``nccl`` raises on every rank."""
+    from lightcc.common.backends import factory
+
+    worlds = fake_nccl.thread_worlds(3)
+    monkeypatch.setattr(factory, "device_key", lambda device: 7)   # ranks 0-2: the same GPU
+
+    def rank(r: int):
+        topo = build(worlds[r], ["h", "h", "h"], 0)
+        try:
+            comms = factory.make_device_comms(topo, setting, None)
+        except LightCCError as exc:
+            return str(exc)
+        kind = type(comms.topo.world).__name__
+        comms.free()
+        return kind
+
+    got = fake_nccl.run_ranks(3, rank)
+    if setting == "auto":
+        assert got == ["StagedCommunicator"] * 3
+    else:
+        assert all("ranks 0 and 1" in g and "same GPU" in g for g in got), got
+
+
 def test_staged_communicator_calls(gpu):
     cupy = gpu.cupy
     (world,) = fake_nccl.thread_worlds(1)
@@ -283,3 +326,26 @@ def test_staged_communicator_calls(gpu):
     kinds = [info[0] for _, _, info in gpu.log.of("copy")]
     assert kinds == [2, 1, 2, 1, 2, 2, 1], kinds    # the root's bcast does not copy back
     comm.free()
+
+
+@pytest.mark.parametrize("on_gpu", [True, False])
+def test_tensor_that_requires_grad_gets_a_lightcc_error(gpu, on_gpu):
+    """The core API takes plain arrays: a torch tensor that requires grad (on the GPU: DLPack
+    refuses to export it; on the CPU: NumPy conversion refuses) gets InvalidArgumentError
+    naming the fix, not torch's RuntimeError."""
+    import torch
+
+    from lightcc.common import api
+    from lightcc.common.exceptions import InvalidArgumentError
+    from lightcc.common.kernels import cuda as kc
+    from tests.doubles.fake_torch import cuda_tensor
+
+    t = torch.ones(4, requires_grad=True)
+    if on_gpu:
+        t = cuda_tensor(t)
+    with pytest.raises(InvalidArgumentError, match=r"requires grad.*detach\(\)"):
+        api._as_array(t, "allreduce 'x'")
+    if on_gpu:
+        with pytest.raises(InvalidArgumentError, match="detach"):
+            kc.as_cupy(t)
+    assert api._as_array(t.detach(), "allreduce 'x'") is not None

@@ -8,8 +8,9 @@ bucket at the same point, so making communicators there is collective-safe):
   of them lacks CuPy, NCCL or a GPU;
 * ``LCC_BACKEND=mpi``: the set's MPI communicators, staged through pinned host memory
   (:mod:`.staged`);
-* ``LCC_BACKEND=auto`` (default): NCCL when every member has it, else MPI staging. The members
-  agree (one MPI allreduce of a flag), so a set never mixes backends.
+* ``LCC_BACKEND=auto`` (default): NCCL when every member has it and no two members share a
+  GPU, else MPI staging. The members agree (one MPI allgather), so a set never mixes
+  backends.
 
 The result, :class:`DeviceComms`, also holds the GPU and the engine's CUDA stream on it.
 Importing this module does not import CuPy.
@@ -17,6 +18,7 @@ Importing this module does not import CuPy.
 from __future__ import annotations
 
 import logging
+import zlib
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -66,25 +68,61 @@ def nccl_usable() -> bool:
     return nccl_available()
 
 
-def choose_backend(setting: str, host_world: Any) -> str:
+def device_key(device: int) -> int:
+    """A number naming the physical GPU ``device`` on this host (its PCI bus id), the same in
+    every process that sees it whatever CUDA_VISIBLE_DEVICES renumbered; the index when the
+    bus id cannot be read."""
+    try:
+        bus = kc.cupy_or_raise().cuda.Device(device).pci_bus_id
+    except Exception:                      # no CuPy attribute, no driver: the index will do
+        return int(device)
+    return zlib.crc32(str(bus).lower().encode()) | (1 << 32)
+
+
+def choose_backend(setting: str, host: Topology, device: int | None = None) -> str:
     """``"nccl"`` or ``"mpi"`` for ``setting`` (auto, nccl, mpi), agreed by all members.
 
-    Collective over ``host_world`` unless ``setting`` is ``mpi``.
+    Collective over the set's host world unless ``setting`` is ``mpi``: one allgather of
+    (NCCL usable, node, GPU) per member. NCCL needs every member to have it and refuses two
+    members on one GPU ("Duplicate GPU detected"), so ``auto`` takes MPI staging when any two
+    members share a GPU, and ``nccl`` raises on every member.
     """
     if setting == "mpi":
         return "mpi"
+    world = host.world
     mine = nccl_usable()
-    flag = np.array([1 if mine else 0], np.uint8)
-    host_world.allreduce(flag, "min")
-    if flag[0]:
+    node = host.node_of_rank[world.rank] if host.node_of_rank else 0
+    me = np.array([1 if mine else 0, node, -1 if device is None else device_key(device)],
+                  np.int64)
+    every = np.empty(3 * world.size, np.int64)
+    world.allgatherv(me, every, [3] * world.size)
+    table = every.reshape(world.size, 3)
+    usable = bool(table[:, 0].min())
+    seen: dict[tuple[int, int], int] = {}
+    shared: tuple[int, int] | None = None
+    for r, (_, nd, key) in enumerate(table.tolist()):
+        if key < 0:
+            continue
+        if (nd, key) in seen and shared is None:
+            shared = (seen[(nd, key)], r)
+        seen.setdefault((nd, key), r)
+    if usable and shared is None:
         return "nccl"
     if setting == "nccl":
-        where = "this rank" if not mine else "another rank of the process set"
-        raise LightCCError(f"LCC_BACKEND=nccl, but {where} has no usable NCCL (needs CuPy "
-                           f"with NCCL and a GPU: pip install cupy-cuda13x nvidia-nccl-cu13); "
-                           f"use LCC_BACKEND=auto or mpi to stage through host memory")
-    log.info("device arrays of process set %s use MPI through pinned host memory (NCCL not "
-             "usable on every rank)", host_world.name)
+        if not usable:
+            where = "this rank" if not mine else "another rank of the process set"
+            raise LightCCError(f"LCC_BACKEND=nccl, but {where} has no usable NCCL (needs CuPy "
+                               f"with NCCL and a GPU: pip install cupy-cuda13x "
+                               f"nvidia-nccl-cu13); use LCC_BACKEND=auto or mpi to stage "
+                               f"through host memory")
+        raise LightCCError(f"LCC_BACKEND=nccl, but ranks {shared[0]} and {shared[1]} of process "
+                           f"set {world.name!r} use the same GPU, and NCCL refuses two ranks on "
+                           f"one GPU; give each rank its own GPU, or use LCC_BACKEND=auto or mpi "
+                           f"to stage through host memory")
+    why = ("NCCL not usable on every rank" if not usable else
+           f"ranks {shared[0]} and {shared[1]} share a GPU")
+    log.info("device arrays of process set %s use MPI through pinned host memory (%s)",
+             world.name, why)
     return "mpi"
 
 
@@ -97,9 +135,9 @@ def default_device(host: Topology) -> int:
 def make_device_comms(host: Topology, setting: str, device: int | None) -> DeviceComms:
     """Build the device communicators of a process set (collective over its members)."""
     cupy = kc.cupy_or_raise()
-    backend = choose_backend(setting, host.world)
     if device is None:
         device = default_device(host)
+    backend = choose_backend(setting, host, device)
     with cupy.cuda.Device(device):
         stream = cupy.cuda.Stream(non_blocking=True)
         if backend == "nccl":

@@ -17,7 +17,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from ..exceptions import LightCCError
+from ..exceptions import InvalidArgumentError, LightCCError
 
 log = logging.getLogger("lightcc")
 
@@ -176,6 +176,9 @@ def as_cupy(obj: Any) -> Any:
     cupy = cupy_or_raise()
     if isinstance(obj, cupy.ndarray):
         return obj
+    if getattr(obj, "requires_grad", False) is True:     # torch refuses to export it
+        raise InvalidArgumentError(f"a {type(obj).__name__} that requires grad cannot be "
+                                   f"shared without a copy; pass tensor.detach()")
     if hasattr(obj, "__dlpack__"):
         arr = cupy.from_dlpack(obj)
     elif hasattr(obj, "__cuda_array_interface__"):
