@@ -6,6 +6,7 @@ device tensors, and the MPI staging and CPU-reduce paths copy through pinned mem
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import ml_dtypes
 import numpy as np
@@ -256,17 +257,16 @@ def test_cpu_reduce_copies_bucket_once_each_way(gpu):
     assert [r[2] for r in gpu.log.of("nccl")] == []
 
 
-@pytest.mark.parametrize("setting,missing_on,want", [
-    ("auto", None, "nccl"), ("auto", 1, "mpi"), ("mpi", None, "mpi"), ("nccl", 1, "error")])
-def test_backend_choice_is_agreed(gpu, monkeypatch, setting, missing_on, want):
+def _device_backends(size: int, setting: str, before: Any = None) -> list[str]:
+    """Each thread rank's device communicator class (or error message) for ``setting``."""
     from lightcc.common.backends import factory
 
-    worlds = fake_nccl.thread_worlds(2)
-    monkeypatch.setattr(factory, "nccl_usable", lambda: fake_nccl._tls.__dict__.get("ok", True))
+    worlds = fake_nccl.thread_worlds(size)
 
-    def rank(r: int):
-        fake_nccl._tls.ok = r != missing_on
-        topo = build(worlds[r], ["h", "h"], 0)
+    def rank(r: int) -> str:
+        if before is not None:
+            before(r)
+        topo = build(worlds[r], ["h"] * size, 0)
         try:
             comms = factory.make_device_comms(topo, setting, None)
         except LightCCError as exc:
@@ -275,7 +275,20 @@ def test_backend_choice_is_agreed(gpu, monkeypatch, setting, missing_on, want):
         comms.free()
         return kind
 
-    got = fake_nccl.run_ranks(2, rank)
+    return fake_nccl.run_ranks(size, rank)
+
+
+@pytest.mark.parametrize("setting,missing_on,want", [
+    ("auto", None, "nccl"), ("auto", 1, "mpi"), ("mpi", None, "mpi"), ("nccl", 1, "error")])
+def test_backend_choice_is_agreed(gpu, monkeypatch, setting, missing_on, want):
+    from lightcc.common.backends import factory
+
+    monkeypatch.setattr(factory, "nccl_usable", lambda: fake_nccl._tls.__dict__.get("ok", True))
+
+    def before(r: int) -> None:
+        fake_nccl._tls.ok = r != missing_on
+
+    got = _device_backends(2, setting, before)
     if want == "error":
         assert all("LCC_BACKEND=nccl" in g for g in got), got
         assert "this rank" in got[1] and "another rank" in got[0]
@@ -289,20 +302,8 @@ def test_ranks_sharing_a_gpu_never_get_nccl(gpu, monkeypatch, setting):
     MPI staging on every rank when any two share one, ``nccl`` raises on every rank."""
     from lightcc.common.backends import factory
 
-    worlds = fake_nccl.thread_worlds(3)
     monkeypatch.setattr(factory, "device_key", lambda device: 7)   # ranks 0-2: the same GPU
-
-    def rank(r: int):
-        topo = build(worlds[r], ["h", "h", "h"], 0)
-        try:
-            comms = factory.make_device_comms(topo, setting, None)
-        except LightCCError as exc:
-            return str(exc)
-        kind = type(comms.topo.world).__name__
-        comms.free()
-        return kind
-
-    got = fake_nccl.run_ranks(3, rank)
+    got = _device_backends(3, setting)
     if setting == "auto":
         assert got == ["StagedCommunicator"] * 3
     else:
