@@ -61,10 +61,26 @@ def test_plan_threshold_zero_disables_fusion():
 
 
 def test_fusion_buffer_reused():
+    """One allocation per dtype, reused by every smaller request; a larger one replaces it
+    (and is reused from then on); dtypes never share memory; release() frees everything."""
+    import numpy as np
+
     fb = fusion.FusionBuffer()
     a = fb.get("float32", 10)
     b = fb.get("float32", 5)
-    assert a.base is b.base or a.base is None or b.base is a.base
+    assert a.shape == (10,) and b.shape == (5,) and a.dtype == b.dtype == np.float32
+    assert b.base is not None and b.base is a.base            # views of one buffer
+    assert np.shares_memory(a, b) and b.ctypes.data == a.ctypes.data
+    assert fb.nbytes == 40                                    # nothing allocated for b
+    big = fb.get("float32", 20)
+    assert big.size == 20 and fb.nbytes == 80 and not np.shares_memory(big, a)
+    again = fb.get("float32", 7)
+    assert again.ctypes.data == big.ctypes.data and again.base is big.base
+    other = fb.get("float64", 3)
+    assert other.dtype == np.float64 and not np.shares_memory(other, big)
+    assert fb.nbytes == 80 + 24
+    fb.release()
+    assert fb.nbytes == 0 and not np.shares_memory(fb.get("float32", 5), big)
 
 
 def test_config_defaults_and_env():

@@ -158,15 +158,20 @@ for comp in available_compressors():
 # ---- per-name compressor state of tensors that stop appearing ---------------------------------
 from lightcc.common import api  # noqa: E402
 
+TTL = 10
 lcc.shutdown()
-lcc.init(ef_ttl_steps=10)            # residuals unseen for 10 engine steps are dropped
+lcc.init(ef_ttl_steps=TTL)           # residuals unseen for 10 engine steps are dropped
 for i in range(40):                  # 40 names, each seen once (a model that changes layers)
     lcc.allreduce(np.full(2048, 1.0, np.float32), name=f"gone.{i}", compression="topk:0.05")
-state = {spec: len(getattr(c, "memory").residuals) for spec, c in
-         api.engine().group(0).compressors.items() if hasattr(c, "memory")}
-if state.get("topk:0.05", 0) >= 40:
-    print(f"rank {R}: KNOWN: EF-LEAK topk keeps {state['topk:0.05']} residuals of tensors "
-          f"seen once ({state['topk:0.05'] * 2048 * 4 / 2**20:.2f} MiB)", flush=True)
+# Each blocking named allreduce is one engine step, so after the 40th (step 39) a residual
+# survives only if its tensor was seen at step 29 or later: gone.29 .. gone.39, 11 = TTL + 1.
+topk = api.engine().group(0).compressors.get("topk:0.05")
+kept = set(topk.memory.residuals) if topk is not None else set()
+ok("gone.39" in kept, f"topk keeps no residual of the tensor it just compressed: {kept}")
+if len(kept) > TTL + 1 or not kept <= {f"gone.{i}" for i in range(39 - TTL, 40)}:
+    print(f"rank {R}: KNOWN: EF-LEAK topk keeps {len(kept)} residuals of tensors seen once "
+          f"with LCC_EF_TTL_STEPS={TTL} (at most {TTL + 1}, the last ones; "
+          f"{len(kept) * 2048 * 4 / 2**20:.2f} MiB): {sorted(kept)[:8]}", flush=True)
 
 # ---- large-message code paths of the MPI backend, with tiny limits ---------------------------
 mpi_backend.INT_LIMIT, mpi_backend.MAX_CHUNK_BYTES, mpi_backend.MAX_CHUNK_ELEMS = 999, 100, 37
