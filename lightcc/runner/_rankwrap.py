@@ -28,10 +28,14 @@ import traceback
 import types
 
 STATUS_DIR_ENV = "LCC_RUNNER_STATUS_DIR"
-#: A rank whose error only reports that another rank died waits this long before MPI_Abort, so
-#: that prterun sees the death first and lccrun names the rank that died, not the survivors
-#: (under load their aborts sometimes reached prterun first).
-CONSEQUENCE_GRACE_S = 1.0
+#: A rank whose error only reports that another rank died (a *consequence*) records that in its
+#: status and waits, before MPI_Abort, until the failed rank's own record appears (then it aborts
+#: at once) or at most this long (prterun usually ends the job first: a rank killed by a signal
+#: writes no record). lccrun names a rank with a record of its own before any consequence,
+#: whichever abort reached prterun first, so the name does not depend on that race; the wait
+#: only keeps the job up for the records and prterun's banner of the real failure.
+CONSEQUENCE_WAIT_S = 10.0
+_POLL_S = 0.05
 _LOST_RANK_TEXT = ("exited or lost its connection", "closed its connection",
                    "shut down or exited")
 
@@ -64,14 +68,17 @@ def export_torch_env(env: dict[str, str] | None = None) -> dict[str, str]:
     return done
 
 
-def write_status(code: int, what: str, signum: int = 0) -> None:
-    """Record ``{rank, code, what, signal, time}`` for lccrun's summary; never raises."""
+def write_status(code: int, what: str, signum: int = 0, consequence: bool = False) -> None:
+    """Record ``{rank, code, what, signal, consequence, time}`` for lccrun's summary; never
+    raises. ``consequence``: the error only reports that another rank failed."""
     directory, rank = os.environ.get(STATUS_DIR_ENV), world_rank()
     if not directory or rank is None:
         return
     record = {"rank": rank, "code": code, "what": what, "time": time.time()}
     if signum:
         record["signal"] = signum
+    if consequence:
+        record["consequence"] = True
     try:
         path = os.path.join(directory, f"rank-{rank}.json")
         tmp = f"{path}.{os.getpid()}.tmp"
@@ -101,6 +108,34 @@ def is_consequence(exc: BaseException) -> bool:
     """True for lightcc's errors that only say another rank exited or lost its connection."""
     return type(exc).__name__ in ("ShutdownError", "LightCCError") and \
         any(text in str(exc) for text in _LOST_RANK_TEXT)
+
+
+def wait_for_cause(timeout: float = CONSEQUENCE_WAIT_S) -> bool:
+    """After a consequence: sleep until another rank recorded a failure of its own (True) or
+    ``timeout`` passed (False; without a status directory, the whole timeout)."""
+    directory, me = os.environ.get(STATUS_DIR_ENV), world_rank()
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if directory and _cause_recorded(directory, me):
+            return True
+        time.sleep(_POLL_S)
+    return False
+
+
+def _cause_recorded(directory: str, me: int | None) -> bool:
+    try:
+        names = [n for n in os.listdir(directory) if n.startswith("rank-") and
+                 n.endswith(".json") and n != f"rank-{me}.json"]
+    except OSError:
+        return False
+    for name in names:
+        try:
+            with open(os.path.join(directory, name)) as fh:
+                if not json.load(fh).get("consequence"):
+                    return True
+        except (OSError, ValueError):
+            continue          # being replaced, or torn: read again next time
+    return False
 
 
 def _user_traceback(exc: BaseException) -> None:
@@ -208,9 +243,10 @@ def main(args: list[str] | None = None) -> int:
             return 0
         if not isinstance(exc, SystemExit):
             _user_traceback(exc)
-        write_status(code, what)
-        if is_consequence(exc):
-            time.sleep(CONSEQUENCE_GRACE_S)
+        consequence = is_consequence(exc)
+        write_status(code, what, consequence=consequence)
+        if consequence:
+            wait_for_cause()
         _abort_if_mpi(code)
         return code
     return 0

@@ -10,7 +10,9 @@ and prints a banner naming it. lccrun builds on that:
 * Python ranks run under :mod:`~lightcc.runner._rankwrap`, which writes the exit code and
   exception of a failing rank to a status directory before aborting;
 * a watchdog ends the job if a rank failed (status record or prterun banner) but the job is
-  still running 3 s later (e.g. a rank's child process keeps prterun's output pipes open).
+  still running 3 s later (e.g. a rank's child process keeps prterun's output pipes open);
+  records that only report another rank's failure (consequences) count after the
+  ``CONSEQUENCE_WAIT_S`` their ranks wait for the cause.
 
 The last line lccrun prints names the failed rank: ``lccrun: rank 1 exited with code 3`` or
 ``lccrun: rank 0 killed by signal 9 (SIGKILL)``.
@@ -28,6 +30,8 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from ._rankwrap import CONSEQUENCE_WAIT_S
 
 TAIL_BYTES = 64 * 1024
 INTERRUPT_GRACE_S = 4.0     # after forwarding Ctrl-C, wait this long before SIGKILL
@@ -115,22 +119,30 @@ def _from_status(record: dict) -> Failure:
 def diagnose(returncode: int, stderr_tail: str, statuses: list[dict]) -> list[Failure]:
     """Failures, the one that ended the job last. Empty if nothing failed.
 
-    prterun's banners decide which rank failed first (it is the one that saw the exits; a
-    death by signal counts first); a wrapper's status record for that rank adds its real exit
-    code and exception.
+    The rank named is one that failed on its own: a death by signal first, then the first rank
+    in prterun's banners (the exits it saw first) whose wrapper did not record a mere
+    *consequence* (an error saying another rank died), then the oldest record of a failure of
+    its own; consequences only when nothing else is known. Which abort reached prterun first is
+    a race under load; the records decide instead. A wrapper's record for the named rank adds
+    its real exit code and exception.
     """
     by_rank = {int(r["rank"]): r for r in statuses if "rank" in r and "code" in r}
+    secondary = {rank for rank, r in by_rank.items() if r.get("consequence")}
     banners = [f for _, f in parse_mpirun_output(stderr_tail)]
+    own = [r for r in statuses if int(r.get("rank", -1)) in by_rank and not r.get("consequence")]
+    first = next((f for f in banners if f.kind == "signal"), None) or \
+        next((f for f in banners if f.rank not in secondary), None)
     primary: Failure | None = None
-    if banners:
-        # a rank killed by a signal failed on its own; exits and aborts of other ranks are often
-        # its consequence (their collectives fail once it is gone), so it is named first
-        first = next((f for f in banners if f.kind == "signal"), banners[0])
+    if first is None and own:
+        primary = _from_status(own[0])
+    elif first is None and banners:
+        first = banners[0]
+    if first is not None:
         if first.rank in by_rank and (first.kind != "signal" or "signal" in by_rank[first.rank]):
             primary = _from_status(by_rank[first.rank])
         else:
             primary = first
-    elif by_rank:
+    elif primary is None and by_rank:
         primary = _from_status(statuses[0])
     if primary is None:
         return []
@@ -297,7 +309,7 @@ def supervise(argv: list[str], env: dict[str, str], status_dir: str | None,
     tail = _Tail(proc.stderr)
     known: dict[int, int] = {}   # processes seen below mpirun: pid -> start time
     forwarded = 0
-    interrupted_at = failed_at = termed_at = None
+    interrupted_at = failed_at = termed_at = consequence_at = None
     next_scan = time.monotonic() + 1.0
     try:
         while True:
@@ -318,8 +330,14 @@ def supervise(argv: list[str], env: dict[str, str], status_dir: str | None,
                     kill_tree(proc.pid, known)
             if interrupted_at and now - interrupted_at > interrupt_grace_s:
                 kill_tree(proc.pid, known)
-            if failed_at is None and (read_statuses(status_dir) or tail.reports_failure()):
-                failed_at = now
+            if failed_at is None:
+                records = read_statuses(status_dir)
+                if any(not r.get("consequence") for r in records) or tail.reports_failure():
+                    failed_at = now
+                elif records:      # only consequences: their ranks wait for the cause first
+                    consequence_at = consequence_at or now
+                    if now - consequence_at > CONSEQUENCE_WAIT_S:
+                        failed_at = now
             if failed_at and termed_at is None and now - failed_at > failure_grace_s:
                 _signal(proc.pid, signal.SIGTERM)
                 termed_at = now

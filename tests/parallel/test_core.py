@@ -59,10 +59,12 @@ def test_direct_and_engine_paths_interleaved_at_random(np_, overlap, local):
     assert out.count("mixed ok") == np_, out
 
 
-def test_direct_path_stalls_and_shutdowns_end_in_errors_on_every_rank():
+def test_direct_path_stalls_and_shutdowns_end_in_errors_on_every_rank(tmp_path):
+    # the ranks order their steps with files in tmp_path, so load cannot reorder them
     out = run_mpi(3, [W + "direct_stall.py"], env={"LCC_STALL_CHECK_TIME": "1",
-                                                   "LCC_STALL_SHUTDOWN_TIME": "2"},
-                  timeout=90).stdout
+                                                   "LCC_STALL_SHUTDOWN_TIME": "2",
+                                                   "LCC_TEST_EVENTS": str(tmp_path)},
+                  timeout=180).stdout
     assert "stall: unnamed allreduce #1" in out and "has waited" in out, out
     assert "rank 1: ShutdownError" in out and "rank 2 shut down" in out, out
     assert out.count("direct stall ok") == 3, out

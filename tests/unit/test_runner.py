@@ -382,6 +382,9 @@ IMPROPER_BANNER = """prterun has exited due to process rank 1 with PID 5315 on n
 improperly. There are three reasons this could occur:"""
 
 
+LOST = "uncaught ShutdownError: allreduce 'g': rank 1 exited or lost its connection"
+
+
 @pytest.mark.parametrize("banner,statuses,expect", [
     (SIGNAL_BANNER, [], "rank 1 killed by signal 9 (SIGKILL) on host vm"),
     (EXIT_BANNER, [], "rank 2 exited with code 4"),
@@ -395,6 +398,19 @@ improperly. There are three reasons this could occur:"""
           {"rank": 1, "code": 2, "what": "sys.exit", "time": 1.0}], "rank 1 exited with code 2"),
     (SIGNAL_BANNER + ABORT_BANNER, [{"rank": 3, "code": 1, "what": "x", "time": 1.0}],
      "rank 1 killed by signal 9"),
+    # the survivor's abort (a consequence) reached prterun before the failed rank's: the
+    # records decide, not the race
+    (ABORT_BANNER, [{"rank": 3, "code": 1, "what": LOST, "consequence": True, "time": 1.0},
+                    {"rank": 1, "code": 1, "what": "uncaught RuntimeError: boom", "time": 2.0}],
+     "rank 1 exited with code 1 (uncaught RuntimeError: boom)"),
+    (ABORT_BANNER + EXIT_BANNER,
+     [{"rank": 3, "code": 1, "what": LOST, "consequence": True, "time": 1.0}],
+     "rank 2 exited with code 4"),
+    ("", [{"rank": 0, "code": 1, "what": LOST, "consequence": True, "time": 1.0},
+          {"rank": 2, "code": 3, "what": "sys.exit", "time": 2.0}], "rank 2 exited with code 3"),
+    # only consequences known (the failed rank exited 0): the first of them
+    (ABORT_BANNER, [{"rank": 3, "code": 1, "what": LOST, "consequence": True, "time": 1.0}],
+     "rank 3 exited with code 1"),
 ])
 def test_diagnose(banner, statuses, expect):
     failures = supervise.diagnose(1, banner, sorted(statuses, key=lambda r: r["time"]))
@@ -536,4 +552,39 @@ def test_errors_that_only_report_a_lost_rank_wait_before_aborting():
         "lightcc was shut down on all ranks: rank 0 (the coordinator) closed its connection"))
     assert not _rankwrap.is_consequence(RuntimeError("rank 1 exited or lost its connection"))
     assert not _rankwrap.is_consequence(LightCCError("allreduce 'x': rank 1 has shape (3,)"))
-    assert 0 < _rankwrap.CONSEQUENCE_GRACE_S < supervise.FAILURE_GRACE_S
+
+
+def test_a_consequence_is_recorded_and_waits_for_its_cause(tmp_path, monkeypatch, capsys):
+    """A rank whose error only reports another rank's failure says so in its record, and waits
+    (before MPI_Abort) until a record of a failure of its own appears: at once when there is
+    one, never for another consequence."""
+    import threading
+    import time
+
+    monkeypatch.setenv("LCC_RUNNER_STATUS_DIR", str(tmp_path))
+    monkeypatch.setenv("OMPI_COMM_WORLD_RANK", "0")
+    monkeypatch.setattr(sys, "argv", list(sys.argv))
+    monkeypatch.setitem(sys.modules, "mpi4py.MPI", None)
+    waits = []
+    real_wait = _rankwrap.wait_for_cause
+    monkeypatch.setattr(_rankwrap, "wait_for_cause", lambda: waits.append(real_wait(0.2)))
+    code = ("from lightcc.common.exceptions import ShutdownError\n"
+            "raise ShutdownError(\"allreduce 'g': rank 1 exited or lost its connection\")")
+    assert _rankwrap.main(["-c", code]) == 1
+    record = json.loads((tmp_path / "rank-0.json").read_text())
+    assert record["consequence"] is True and waits == [False]      # nobody else recorded
+    assert _rankwrap.main(["-c", "raise KeyError('k')"]) == 1
+    assert "consequence" not in json.loads((tmp_path / "rank-0.json").read_text())
+    assert waits == [False]                                          # no wait for a real error
+    capsys.readouterr()
+    (tmp_path / "rank-2.json").write_text(json.dumps({"rank": 2, "code": 1, "time": 1.0,
+                                                      "consequence": True}))
+    assert real_wait(0.3) is False                                   # a consequence is no cause
+    later = threading.Timer(0.2, lambda: (tmp_path / "rank-1.json").write_text(
+        json.dumps({"rank": 1, "code": 3, "what": "sys.exit", "time": 2.0})))
+    later.start()
+    t0 = time.monotonic()
+    assert real_wait(30.0) is True                                   # the cause's record
+    assert time.monotonic() - t0 < 25.0
+    later.join()
+    assert _rankwrap.CONSEQUENCE_WAIT_S > supervise.FAILURE_GRACE_S
