@@ -124,3 +124,12 @@ def test_device_path_through_engine_with_gpu_doubles(np_, backend):
     for what in ("algorithms x compressors", "collectives", "torch"):
         assert out.count(f"ok {what}") == np_, out
     assert np_ > 1 or "ok no host sync, errors" in out, out
+
+
+def test_gpu_compressor_check_runs_on_the_gpu_doubles():
+    """tests/gpu/compressors_worker.py (the GPU suite's two-rank compressor check, every
+    compressor against NumPy simulations) with the CuPy doubles: its logic keeps working where
+    no GPU is, so it cannot rot between the runs on a GPU machine."""
+    out = run_mpi(2, ["tests/gpu/compressors_worker.py"],
+                  env={"LCC_BACKEND": "mpi", "LCC_TEST_DOUBLES": "1"}, timeout=300).stdout
+    assert out.count("gpu compressors ok") == 2, out
