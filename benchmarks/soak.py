@@ -42,7 +42,12 @@ KINDS = ["allreduce", "allreduce", "allreduce", "allgather", "broadcast", "allto
 FP_EPS = {"fp16": 2.0 ** -10, "bf16": 2.0 ** -7, "fp8": 2.0 ** -3, "fp8_e5m2": 2.0 ** -2}
 WARMUP_FRACTION = 0.2
 RSS_GROWTH_BOUND_MB = 48.0     # after warm-up; see docs/reliability.md
+#: Open fds may not grow at all after warm-up. Each sample is the least of FD_READS reads
+#: FD_READ_GAP_S apart (_settled_fds), so an fd that some thread holds for a moment (a file
+#: opened and closed, a connection being set up) when a loaded machine happens to sample it
+#: does not count, while a leaked fd stays open and does.
 FD_GROWTH_BOUND = 0
+FD_READS, FD_READ_GAP_S = 5, 0.02
 
 
 # ---- worker (one per rank) -------------------------------------------------------------------
@@ -262,6 +267,16 @@ def worker(args: argparse.Namespace) -> None:
     print(f"rank {rank}: soak ok {done_ops} ops {chk.checks} checks", flush=True)
 
 
+def _settled_fds(proc) -> int:
+    """Open fds, the least of FD_READS reads (a transient fd is gone by one of them)."""
+    counts = []
+    for i in range(FD_READS):
+        if i:
+            time.sleep(FD_READ_GAP_S)
+        counts.append(proc.num_fds())
+    return min(counts)
+
+
 def _sample(proc, eng, ops: int, seconds: float) -> dict:
     """RSS (MiB), open fds and the sizes of the engine's per-name tables."""
     state_bytes, state_keys = 0, 0
@@ -276,7 +291,7 @@ def _sample(proc, eng, ops: int, seconds: float) -> dict:
             state_bytes += sum(q.nbytes for q in qs.values())
     coord = eng.coordinator
     return {"ops": ops, "s": round(seconds, 2), "rss_mb": proc.memory_info().rss / 2 ** 20,
-            "fds": proc.num_fds(), "cache": len(eng.cache),
+            "fds": _settled_fds(proc), "cache": len(eng.cache),
             "cache_ids": len(eng.cache._entries),
             "coord_pending": len(coord.pending) if coord else 0,
             "inflight": len(eng._inflight), "fusion_mb": eng.group(0).fusion.nbytes / 2 ** 20,
