@@ -5,7 +5,10 @@ from pathlib import Path
 from setuptools import find_packages, setup  # noqa: F401
 
 HERE = Path(__file__).parent
-TORCH = "torch==2.13.0"  # its CPU wheel is what these machines have; a range pulls a CUDA build
+#: The torch releases tested (docs/torch.md, "Tested torch versions"; .ci/torch-version runs the
+#: torch tests against another one). A range, so that `pip install lightcc[torch]` keeps the torch
+#: a user has; CI's exact version (2.13.0, a CPU wheel here) comes from .ci/constraints.txt.
+TORCH = "torch>=2.13,<2.15"
 
 setup(
     name="lightcc",
