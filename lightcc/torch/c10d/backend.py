@@ -77,17 +77,19 @@ def create(opts: Any, pg_options: Any = None) -> ProcessGroupLightCC:
 
 def new_group(self: ProcessGroupLightCC, ranks: list[int], timeout: Any = None,
               pg_options: Any = None, group_name: str | None = None,
-              group_desc: str | None = None) -> ProcessGroupLightCC | None:
-    """``dist.new_group`` on a lightcc default group (torch calls it on every rank)."""
+              group_desc: str | None = None, backend: Any = None) -> ProcessGroupLightCC | None:
+    """``dist.new_group`` on a lightcc default group (torch calls it on every rank). torch 2.14
+    passes ``backend``; 2.13 does not, and it is read from torch's calling frame."""
     caller = sys._getframe(1).f_locals
     if caller.get("use_local_synchronization"):
         raise InvalidArgumentError("new_group(use_local_synchronization=True) is not supported "
                                    "by the lightcc backend: its process sets are created by "
                                    "all ranks together")
-    backend = caller.get("backend")
+    if backend is None:
+        backend = caller.get("backend")
     if backend is not None and str(backend).lower() != BACKEND_NAME:
         raise InvalidArgumentError(
-            f"new_group(backend={str(backend)!r}) with a lightcc default group: torch 2.13 "
+            f"new_group(backend={str(backend)!r}) with a lightcc default group: torch "
             f"hands every new_group to the default group's backend. Initialize the default "
             f"group with {str(backend)!r} and create lightcc groups with "
             f"new_group(backend='lightcc') instead")
