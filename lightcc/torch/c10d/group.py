@@ -58,6 +58,16 @@ class ProcessGroupLightCC(DataMovement, dist.ProcessGroup):
         self._coalescing: list[Any] | None = None
 
     # ---- identity ----------------------------------------------------------------------------
+    # torch 2.14 asks a group for its backend per device from Python (batch_isend_irecv, abort,
+    # splitting; 2.13 skipped that for ProcessGroup subclasses): this group is its own backend
+    # on every device, without the optional features those callers look for.
+    supports_coalescing = False
+    supports_splitting = False
+    supports_time_estimate = False
+
+    def _get_backend(self, device: Any) -> ProcessGroupLightCC:
+        return self
+
     def getBackendName(self) -> str:
         return BACKEND_NAME
 
