@@ -26,14 +26,14 @@ WORKERS = Path(__file__).resolve().parent / "workers_reliability"
 
 def test_injected_faults_fail_the_bucket_on_every_rank_and_the_next_one_succeeds():
     out = run_mpi(3, [W + "faults_worker.py", "flat,hierarchical,2d"],
-                  env={"LCC_TEST_FAULT": "", "LCC_LOCAL_SIZE": "2"}, timeout=90).stdout
+                  env={"LCC_TEST_FAULT": "", "LCC_LOCAL_SIZE": "2"}, timeout=240).stdout
     assert out.count("faults ok") == 3, out
 
 
 @pytest.fixture(scope="module")
 def threads_output() -> str:
     return run_mpi(3, [W + "threads_worker.py"], env={"LCC_TEST_THREADS": "8",
-                                                      "LCC_TEST_STEPS": "50"}, timeout=90).stdout
+                                                      "LCC_TEST_STEPS": "50"}, timeout=240).stdout
 
 
 def test_concurrent_threads_and_init_shutdown_cycles_with_process_sets(threads_output):
@@ -46,7 +46,7 @@ def test_process_set_from_before_reinit_is_rejected(threads_output):
 
 @pytest.fixture(scope="module")
 def badinput_output() -> str:
-    return run_mpi(3, [W + "badinput_worker.py"], timeout=90).stdout
+    return run_mpi(3, [W + "badinput_worker.py"], timeout=240).stdout
 
 
 def test_bad_input_gives_result_or_clear_error_on_every_rank(badinput_output):
