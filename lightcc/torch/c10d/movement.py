@@ -16,8 +16,10 @@ import torch.distributed as dist
 from ...common import api
 from ...common.exceptions import InvalidArgumentError
 from . import ops
+from .untraced import untraced
 
 
+@untraced
 class DataMovement:
     """Collectives that move data between ranks (see module docstring)."""
 

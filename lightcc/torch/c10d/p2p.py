@@ -21,6 +21,7 @@ import torch.distributed as dist
 from ...common.exceptions import InvalidArgumentError, LightCCError
 from .ops import stage
 from .futures import LightCCFuture
+from .untraced import untraced
 from .work import CollectiveTimeout, FutureWork, seconds
 
 MAX_BACKOFF_S = 0.001
@@ -56,6 +57,7 @@ def free_comm(comm: Any) -> None:
         comm.Free()
 
 
+@untraced
 class P2PWork(FutureWork):
     """One send or receive; ``wait()`` polls its MPI request until done or timed out."""
 

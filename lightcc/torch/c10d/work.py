@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from ...common.exceptions import LightCCError
 from .futures import POOL, LightCCFuture
+from .untraced import untraced
 
 
 class CollectiveTimeout(LightCCError):
@@ -34,6 +35,7 @@ def seconds(timeout: Any, default: float) -> float:
     return float(timeout)
 
 
+@untraced
 class FutureWork(dist.Work):
     """A Work whose future (made on the first ``get_future()``) is completed by a pool job.
 
@@ -85,6 +87,7 @@ class FutureWork(dist.Work):
         raise NotImplementedError
 
 
+@untraced
 class LightCCWork(FutureWork):
     """One torch collective over lightcc (see module docstring)."""
 
@@ -158,6 +161,7 @@ class LightCCWork(FutureWork):
         return f"<LightCCWork {self._what} {'done' if self.is_completed() else 'pending'}>"
 
 
+@untraced
 class GroupWork(FutureWork):
     """Several Works as one (coalesced collectives, ``batch_isend_irecv``)."""
 
