@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import atexit
 import logging
-import os
-import sys
 import threading
 import time
 from typing import Any, Sequence

@@ -116,9 +116,11 @@ class P2PWork(FutureWork):
                 self._req.Cancel()
                 self._req.Wait()
                 self._state = CollectiveTimeout(f"{self._what} did not complete within "
-                                                f"{limit:g} s (no matching send arrived)")
-        raise CollectiveTimeout(f"{self._what} did not complete within {limit:g} s "
-                                f"(the peer never posted the matching receive/send)")
+                                                f"{limit:g} s: Timed out (no matching send "
+                                                f"arrived)")
+        raise CollectiveTimeout(f"{self._what} did not complete within {limit:g} s: "
+                                f"Timed out (the peer never posted the matching "
+                                f"receive/send)")
 
     def _future_value(self) -> list[torch.Tensor]:
         return [] if self._staged is None else [self._staged.tensor]

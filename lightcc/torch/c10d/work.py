@@ -126,9 +126,10 @@ class LightCCWork(FutureWork):
             try:
                 h.wait(max(left, 0.0))
             except TimeoutError:
-                raise CollectiveTimeout(f"{self._what} did not complete within {limit:g} s "
-                                        f"(a rank of the group never called it, or called "
-                                        f"collectives in a different order)") from None
+                raise CollectiveTimeout(f"{self._what} did not complete within {limit:g} s: "
+                                        f"Timed out (a rank of the group never called it, "
+                                        f"or called collectives in a different order)") \
+                    from None
             except BaseException:  # noqa: BLE001 - the error is reported by _settle
                 pass
         state = self._settle()
