@@ -2,8 +2,8 @@
 
 ``lccrun`` passes them to ``mpirun`` on the command line. Under a plain ``mpirun`` they can only
 reach Open MPI as ``OMPI_MCA_*`` environment variables set before MPI starts (``MPI_Init``
-reads them once), so they are set as early as possible: when lightcc is imported, and again in
-``init()`` (whose keyword arguments may change them). A value given to ``mpirun --mca`` (it
+reads them once), so they are set as early as possible: when lightcc is imported in a process
+mpirun started, and again in ``init()`` (whose keyword arguments may change them). A value given to ``mpirun --mca`` (it
 reaches the ranks as the same variable) or exported by the user wins.
 
 The setting: ``btl_tcp_links`` = ``LCC_NUM_LINKS`` (default 2). Over one TCP connection per
@@ -47,9 +47,16 @@ def apply(num_links: int) -> None:
         _state["set"] = os.environ[LINKS_VAR] = str(num_links)
 
 
+#: Set by mpirun / PMIx in the processes it starts (a launcher's own process has none).
+RANK_VARS = ("OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "PMI_SIZE")
+
+
 def apply_from_environment() -> None:
-    """:func:`apply` with ``LCC_NUM_LINKS`` (at import; a bad value is left to ``init()``,
-    which reports it on every rank)."""
+    """:func:`apply` with ``LCC_NUM_LINKS``, at import, in processes mpirun started (not in a
+    launcher such as lccrun or a test runner, whose environment its own children inherit). A
+    bad value is left to ``init()``, which reports it on every rank."""
+    if not any(name in os.environ for name in RANK_VARS):
+        return
     from .config import KNOBS
 
     knob = next(k for k in KNOBS if k.field == "num_links")

@@ -7,8 +7,6 @@ for jobs that span several hosts (simulated here with ``LCC_LOCAL_SIZE=1``: two 
 """
 from __future__ import annotations
 
-import os
-
 import pytest
 
 from tests.mpi_harness import run_mpi
@@ -17,8 +15,13 @@ WARNING = "MPI was started before lightcc could configure it"
 FIX = "'mpirun --mca btl_tcp_links 2'"
 TWO_NODES = {"LCC_LOCAL_SIZE": "1"}
 
-pytestmark = pytest.mark.skipif("OMPI_MCA_btl_tcp_links" in os.environ,
-                                reason="OMPI_MCA_btl_tcp_links is set for the whole test run")
+
+
+@pytest.fixture(autouse=True)
+def _no_links_variable(monkeypatch):
+    """The ranks inherit this process's environment, where an earlier ``import lightcc`` (any
+    test in this session) has put the variable already."""
+    monkeypatch.delenv("OMPI_MCA_btl_tcp_links", raising=False)
 
 MPI_FIRST = """
 import os
