@@ -16,6 +16,11 @@ Columns (``--configs``, comma separated):
 - ``ddp-lcc`` / ``ddp-lcc:fp16`` / ``:bf16`` / ``:fp8`` / ``:topk`` / ``:powersgd``:
   ``DistributedDataParallel`` on the torch.distributed backend ``lightcc``, plain or with
   that ``lightcc.torch.ddp_hooks`` hook;
+- ``fsdp`` / ``fsdp:reduce-bf16``: FSDP2 (``fully_shard`` per child module) on gloo, plain
+  or with torch's ``MixedPrecisionPolicy(reduce_dtype=torch.bfloat16)``;
+  ``fsdp-lcc`` / ``fsdp-lcc:reduce-bf16`` / ``:fp16`` / ``:bf16`` / ``:fp8``: FSDP2 on the
+  ``lightcc`` backend, plain, with torch's bf16 reduction, or with
+  ``lightcc.torch.fsdp.compress`` in that format;
 - ``local``: the same loop with no communication at all (every rank trains alone): the
   ceiling no library can pass, which shows how much of a step communication costs at all;
 - ``sync``: ``local`` plus a barrier (MPI) after every step: what waiting for the slower rank
@@ -173,7 +178,43 @@ class Worker:
             opt = _sgd(model)
             self._keep.append((model, opt))
             return model, opt
+        if framework in ("fsdp", "fsdp-lcc"):
+            model = self._fsdp(model, framework, option)
+            opt = _sgd(model)
+            self._keep.append((model, opt))
+            return model, opt
         raise SystemExit(f"unknown framework in config {config!r}")
+
+    def _fsdp(self, model, framework: str, option: str):
+        """FSDP2 (``fully_shard`` on every child with parameters, then the root) on gloo or the
+        lightcc group; ``reduce-bf16``: torch's MixedPrecisionPolicy(reduce_dtype=bfloat16);
+        ``fp16``/``bf16``/``fp8``: lightcc.torch.fsdp.compress with that format."""
+        import torch
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import DeviceMesh
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        if framework == "fsdp-lcc":
+            group = self.lightcc_group()
+        else:
+            self._ddp_init()
+            group = dist.group.WORLD
+        kw = {"mesh": DeviceMesh.from_group(group, "cpu")}
+        if option == "reduce-bf16":
+            kw["mp_policy"] = MixedPrecisionPolicy(reduce_dtype=torch.bfloat16)
+        elif option not in ("", "fp16", "bf16", "fp8"):
+            raise SystemExit(f"{framework}:{option}: not an FSDP option "
+                             f"(reduce-bf16, fp16, bf16, fp8)")
+        for child in model.children():
+            if any(True for _ in child.parameters()):
+                fully_shard(child, **kw)
+        fully_shard(model, **kw)
+        if option in ("fp16", "bf16", "fp8"):
+            import lightcc
+            import lightcc.torch.fsdp
+
+            lightcc.torch.fsdp.compress(model, _compression(lightcc, option))
+        return model
 
     def barrier(self) -> None:
         self.comm.Barrier()
@@ -357,7 +398,7 @@ def _run(cmd: list[str], env: dict, timeout: float) -> str:
 def table(rows: list[dict], configs: list[str], baselines: list[str], cpu: bool) -> str:
     """Markdown table: best / median img/s per model and config, ratios to each baseline."""
     lines = []
-    gloo = [c for c in configs if c == "ddp" or c.startswith("ddp:")]    # the peers themselves
+    gloo = [c for c in configs if c in ("ddp", "fsdp") or c.startswith(("ddp:", "fsdp:"))]
     pairs = [(c, b) for b in baselines for c in configs if c not in gloo]
     head = ["model"] + [f"{c} img/s" for c in configs] + [f"{c} / {b}" for c, b in pairs]
     if cpu:

@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import atexit
 import logging
-import os
-import sys
 import threading
 import time
 from typing import Any, Sequence
@@ -28,7 +26,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from . import config as config_mod
-from . import device, direct, dtypes
+from . import device, direct, dtypes, mca
 from .device import DeviceTensor
 from .engine import Engine, Handle
 from .exceptions import (InvalidArgumentError, LightCCError, NotInitializedError,
@@ -46,6 +44,7 @@ BitwiseXor = "bxor"
 Adasum = "adasum"
 
 log = logging.getLogger("lightcc")
+mca.apply_from_environment()      # before the script starts MPI, if it has not yet
 _lock = threading.RLock()
 _engine: Engine | None = None
 _atexit_registered = False
@@ -92,20 +91,6 @@ global_process_set.process_set_id = 0
 
 
 # ---- lifecycle ------------------------------------------------------------------------------
-def _default_mca(cfg: Any) -> None:
-    """Open MPI settings lightcc's traffic needs, for jobs started without ``lccrun`` (which
-    passes them on the command line): ``btl_tcp_links`` = ``LCC_NUM_LINKS``. Only where this
-    process has not started MPI yet (MPI_Init reads the variables) and the variable is unset: a
-    value given to ``mpirun --mca`` reaches the ranks as the same variable and wins.
-
-    Why: over one TCP connection per pair of ranks, a rank's rendezvous replies queue behind
-    its own outgoing data, and the back-to-back messages of an exchange stalled for 40-60 ms
-    each at 1 Gbit (docs/topology.md, "Slow links")."""
-    if "mpi4py.MPI" in sys.modules:
-        return
-    os.environ.setdefault("OMPI_MCA_btl_tcp_links", str(cfg.num_links))
-
-
 def init(comm: Any = None, process_sets: Sequence[ProcessSet] | None = None,
          **overrides: Any) -> None:
     """Start lightcc on this process (collective over ``comm``, default MPI.COMM_WORLD).
@@ -120,7 +105,7 @@ def init(comm: Any = None, process_sets: Sequence[ProcessSet] | None = None,
             return
         cfg = config_mod.load(overrides)
         _setup_logging(cfg.log_level)
-        _default_mca(cfg)
+        mca.apply(cfg.num_links)
         from mpi4py import MPI
 
         if MPI.Query_thread() < MPI.THREAD_SERIALIZED:
@@ -137,6 +122,7 @@ def init(comm: Any = None, process_sets: Sequence[ProcessSet] | None = None,
 
         _threads.configure(cfg.codec_threads, hostnames.count(hostnames[_engine.rank]))
         _install_rank_prefix(_engine.rank)
+        mca.warn_if_too_late(cfg.num_links, _engine.topo.num_nodes, _engine.rank)
         _start_extras(_engine, cfg)
         global_process_set.ranks = list(range(_engine.size))
         if not _atexit_registered:

@@ -152,8 +152,9 @@ KNOBS: tuple[Knob, ...] = (
          "algorithms were 3-4x slower here). 0 = one call.", _min(0)),
     Knob("num_links", "LCC_NUM_LINKS", _parse_int, 2, "",
          "Parallel TCP links per peer pair (Open MPI btl_tcp_links): lccrun passes it to "
-         "mpirun, and init() sets OMPI_MCA_btl_tcp_links to it when it starts MPI itself and "
-         "the variable is unset.", _min(1)),
+         "mpirun; under plain mpirun, import lightcc and init() set OMPI_MCA_btl_tcp_links to "
+         "it while MPI has not started and the variable is unset (init() warns when MPI "
+         "started first on a multi-host job).", _min(1)),
     Knob("overlap", "LCC_OVERLAP", lambda t: t.strip().lower(), "auto", "",
          "When collectives start: 1 = in the background as soon as submitted (overlaps "
          "communication with compute); 0 = when a thread waits for them (lazy); auto = lazy "

@@ -115,9 +115,10 @@ class Handle:
         self.device_done: Any = None     # GPU results: device.Completion, set by device_exec
 
     def done(self) -> bool:
-        """True once complete; never blocks (in lazy mode it also starts queued work)."""
+        """True once complete; never blocks (in lazy mode it also has the background thread
+        start queued work, see Engine.expedite)."""
         if not self._done and self._engine is not None and self._engine.lazy:
-            self._engine.nudge()
+            self._engine.expedite()
         return self._done
 
     def wait(self, timeout: float | None = None) -> Any:
@@ -359,14 +360,28 @@ class Engine:
                     self._cv.notify_all()
 
     def nudge(self) -> None:
-        """One non-blocking step on the calling thread, if nobody else is stepping (lazy mode:
-        a thread that polls a handle starts the queued work instead of waiting for it)."""
+        """One non-blocking step on the calling thread, if nobody else is stepping (a thread
+        that waits outside the engine, on the direct path, starts the work it queued)."""
         if self._progress.acquire(blocking=False):
             try:
                 if self._dead is None and not self._stopping:
                     self._step(0.0, None)
             finally:
                 self._progress.release()
+
+    def expedite(self) -> None:
+        """Lazy mode: a thread polled a handle, so what is queued must start without anyone
+        waiting for it. The background thread sends it at once (the queue is marked urgent).
+        The polling thread does no step itself: a step executes whatever collectives are
+        agreed, which waits for the other ranks, and poll() must not wait."""
+        if not self._queue or self._urgent:      # unlocked peek, rechecked under the lock
+            return
+        with self._lock:
+            if not self._queue:
+                return
+            self._urgent = True
+        if self._bg_sleeping:
+            self._plane.wake()
 
     def _run(self) -> None:
         try:
@@ -435,8 +450,9 @@ class Engine:
                 return 0.0
             timeout = self._sleep_time(wait, hold)
             self._bg_sleeping = True
-            if (self._queue and hold <= 0.0) or self._stopping or self._drivers:
-                self._bg_sleeping = False
+            if (self._queue and (hold <= 0.0 or self._urgent)) or self._stopping \
+                    or self._drivers:             # (_urgent: set by expedite before it
+                self._bg_sleeping = False         # could see _bg_sleeping)
                 return 0.0
             return timeout
         timeout = 0.0 if progressed else self._sleep_time(wait, hold)

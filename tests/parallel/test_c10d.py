@@ -1,9 +1,11 @@
 """The torch.distributed backend "lightcc" on real mpirun jobs (issue 15).
 
-Five launches, each running many checks (see workers_torch/c10d_*.py): every collective and op
+Seven launches, each running many checks (see workers_torch/c10d_*.py): every collective and op
 against references on 3 ranks; DDP on lightcc against DDP on gloo on 2 ranks (plus torch's and
-lightcc's hooks); torch's PowerSGD hook and FSDP1/FSDP2 on 3 ranks; lightcc's DDP hooks within
-the compression bars on 2 ranks. A failing check aborts its job with the rank and the case.
+lightcc's hooks); torch's PowerSGD hook and FSDP1/FSDP2 on 3 ranks; torch.compile (DDP, FSDP2,
+compiled autograd, functional collectives) against gloo on 2 ranks; compressed FSDP2 against
+its wire contract and uncompressed FSDP2 on 2 ranks; lightcc's DDP hooks within the compression
+bars on 2 ranks. A failing check aborts its job with the rank and the case.
 """
 from __future__ import annotations
 
@@ -25,7 +27,7 @@ def _ok(out: str, cases: int, ranks: int) -> None:
 
 @pytest.mark.timeout(150)
 def test_every_collective_subgroups_p2p_errors_three_ranks():
-    _ok(run_mpi(3, [str(W / "c10d_collectives.py")], env=QUIET, timeout=140).stdout, 11, 3)
+    _ok(run_mpi(3, [str(W / "c10d_collectives.py")], env=QUIET, timeout=140).stdout, 12, 3)
 
 
 @pytest.mark.timeout(150)
@@ -41,6 +43,22 @@ def test_powersgd_hook_three_ranks():
 @pytest.mark.timeout(150)
 def test_fsdp1_and_fsdp2_match_single_process_three_ranks():
     _ok(run_mpi(3, [str(W / "c10d_fsdp.py")], env=QUIET, timeout=140).stdout, 3, 3)
+
+
+@pytest.mark.timeout(360)
+def test_torch_compile_ddp_fsdp2_and_functional_collectives_match_gloo():
+    """Issue 25 item 1: compiled DDP crashed in _pre_forward (Dynamo traced the backend)."""
+    out = run_mpi(2, [str(W / "c10d_compile.py")], env=QUIET, timeout=350).stdout
+    _ok(out, 7, 2)
+
+
+@pytest.mark.timeout(420)
+def test_compressed_fsdp2_reduce_scatter_training_and_accuracy():
+    """Issue 25 item 3: lightcc.torch.fsdp.compress against the wire contract, uncompressed
+    FSDP2 and the DDP hooks' accuracy bars, on lightcc and gloo."""
+    pytest.importorskip("sklearn")
+    out = run_mpi(2, [str(W / "c10d_fsdp_compress.py")], env=QUIET, timeout=410).stdout
+    _ok(out, 5, 2)
 
 
 @pytest.mark.timeout(240)

@@ -25,12 +25,13 @@ import torch.distributed as dist
 
 from ...common import api
 from ...common.exceptions import InvalidArgumentError, LightCCError
+from ...common.mca import RANK_VARS
 from .group import BACKEND_NAME, ProcessGroupLightCC
 from .p2p import make_comm
 
 log = logging.getLogger("lightcc")
 DEFAULT_TIMEOUT_S = 1800.0
-_MPI_ENV = ("OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "PMI_SIZE")
+_MPI_ENV = RANK_VARS              # present in processes mpirun started
 _TORCH_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 _state = {"initialized_lightcc": False, "registered": False}
 

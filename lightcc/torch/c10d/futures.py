@@ -25,6 +25,8 @@ from typing import Any, Callable
 
 import torch
 
+from .untraced import untraced
+
 log = logging.getLogger("lightcc")
 
 _tls = threading.local()
@@ -100,6 +102,7 @@ class _Pool:
 POOL = _Pool()
 
 
+@untraced
 class LightCCFuture(torch.futures.Future):
     """A ``torch.futures.Future`` whose callbacks always run on :data:`POOL` (see module doc).
 

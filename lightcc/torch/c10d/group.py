@@ -26,6 +26,7 @@ from .ops import stage
 from .futures import current_chain
 from .p2p import PointToPoint, free_comm
 from .movement import DataMovement
+from .untraced import untraced
 from .work import GroupWork, LightCCWork
 
 BACKEND_NAME = "lightcc"
@@ -35,6 +36,7 @@ class GroupDestroyedError(LightCCError):
     """A collective was called on a lightcc process group after it was destroyed."""
 
 
+@untraced
 class ProcessGroupLightCC(DataMovement, dist.ProcessGroup):
     """A torch ``ProcessGroup`` whose collectives run on a lightcc process set."""
 

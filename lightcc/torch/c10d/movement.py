@@ -16,8 +16,10 @@ import torch.distributed as dist
 from ...common import api
 from ...common.exceptions import InvalidArgumentError
 from . import ops
+from .untraced import untraced
 
 
+@untraced
 class DataMovement:
     """Collectives that move data between ranks (see module docstring)."""
 
@@ -30,7 +32,11 @@ class DataMovement:
         t = ops.one(input_tensors, what)
         outs = self._out_list(output_tensors, what, "output_tensors")
         ops.same_dtype(outs, t.dtype, what)
-        arr = ops.cpu_flat(t, what)
+        return self._gather_into(outs, ops.cpu_flat(t, what), what, opts)
+
+    def _gather_into(self, outs: list[torch.Tensor], arr: np.ndarray, what: str,
+                     opts: Any) -> LightCCWork:
+        """Allgather ``arr`` and split the result over ``outs`` in order."""
         key, route = self._route(what)
         h = api.allgather_async(arr, **self._kw(route, opts))
 
@@ -42,10 +48,28 @@ class DataMovement:
 
     def allgather_coalesced(self, output_lists: list[list[torch.Tensor]],
                             input_tensors: list[torch.Tensor], opts: Any = None) -> LightCCWork:
-        works = [self.allgather([outs], [t], opts) for outs, t in zip(output_lists,
-                                                                        input_tensors)]
-        return self._merge(works, self._what("allgather_coalesced"),
-                           lambda: [o for outs in output_lists for o in outs])
+        """torch's ``all_gather_coalesced``: ``output_lists[r][j]`` receives rank r's
+        ``input_tensors[j]``. One allgather of this rank's inputs flattened into one row (rows
+        of different lengths on different ranks are an error on every rank)."""
+        what = self._what("allgather_coalesced")
+        ins = list(input_tensors)
+        outs = [list(lst) for lst in output_lists]
+        if not ins:
+            raise InvalidArgumentError(f"{what}: input_tensor_list is empty")
+        if len(outs) != self._size:
+            raise InvalidArgumentError(f"{what}: output_tensor_lists has {len(outs)} lists "
+                                       f"(one per rank expected), the group has {self._size} "
+                                       f"ranks")
+        sizes = [t.numel() for t in ins]
+        for r, lst in enumerate(outs):
+            if [o.numel() for o in lst] != sizes:
+                raise InvalidArgumentError(f"{what}: output_tensor_lists[{r}] holds "
+                                           f"{[o.numel() for o in lst]} elements per tensor, "
+                                           f"the inputs have {sizes}")
+        flat_outs = [o for lst in outs for o in lst]
+        ops.same_dtype(ins + flat_outs, ins[0].dtype, what)
+        row = np.concatenate([ops.cpu_flat(t, what) for t in ins]).reshape(1, -1)
+        return self._gather_into(flat_outs, row, what, opts)
 
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor,
                           opts: Any = None) -> LightCCWork:

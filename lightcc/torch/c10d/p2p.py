@@ -21,6 +21,7 @@ import torch.distributed as dist
 from ...common.exceptions import InvalidArgumentError, LightCCError
 from .ops import stage
 from .futures import LightCCFuture
+from .untraced import untraced
 from .work import CollectiveTimeout, FutureWork, seconds
 
 MAX_BACKOFF_S = 0.001
@@ -56,6 +57,7 @@ def free_comm(comm: Any) -> None:
         comm.Free()
 
 
+@untraced
 class P2PWork(FutureWork):
     """One send or receive; ``wait()`` polls its MPI request until done or timed out."""
 
@@ -114,9 +116,11 @@ class P2PWork(FutureWork):
                 self._req.Cancel()
                 self._req.Wait()
                 self._state = CollectiveTimeout(f"{self._what} did not complete within "
-                                                f"{limit:g} s (no matching send arrived)")
-        raise CollectiveTimeout(f"{self._what} did not complete within {limit:g} s "
-                                f"(the peer never posted the matching receive/send)")
+                                                f"{limit:g} s: Timed out (no matching send "
+                                                f"arrived)")
+        raise CollectiveTimeout(f"{self._what} did not complete within {limit:g} s: "
+                                f"Timed out (the peer never posted the matching "
+                                f"receive/send)")
 
     def _future_value(self) -> list[torch.Tensor]:
         return [] if self._staged is None else [self._staged.tensor]

@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from ...common.exceptions import LightCCError
 from .futures import POOL, LightCCFuture
+from .untraced import untraced
 
 
 class CollectiveTimeout(LightCCError):
@@ -34,6 +35,7 @@ def seconds(timeout: Any, default: float) -> float:
     return float(timeout)
 
 
+@untraced
 class FutureWork(dist.Work):
     """A Work whose future (made on the first ``get_future()``) is completed by a pool job.
 
@@ -85,6 +87,7 @@ class FutureWork(dist.Work):
         raise NotImplementedError
 
 
+@untraced
 class LightCCWork(FutureWork):
     """One torch collective over lightcc (see module docstring)."""
 
@@ -123,9 +126,10 @@ class LightCCWork(FutureWork):
             try:
                 h.wait(max(left, 0.0))
             except TimeoutError:
-                raise CollectiveTimeout(f"{self._what} did not complete within {limit:g} s "
-                                        f"(a rank of the group never called it, or called "
-                                        f"collectives in a different order)") from None
+                raise CollectiveTimeout(f"{self._what} did not complete within {limit:g} s: "
+                                        f"Timed out (a rank of the group never called it, "
+                                        f"or called collectives in a different order)") \
+                    from None
             except BaseException:  # noqa: BLE001 - the error is reported by _settle
                 pass
         state = self._settle()
@@ -158,6 +162,7 @@ class LightCCWork(FutureWork):
         return f"<LightCCWork {self._what} {'done' if self.is_completed() else 'pending'}>"
 
 
+@untraced
 class GroupWork(FutureWork):
     """Several Works as one (coalesced collectives, ``batch_isend_irecv``)."""
 

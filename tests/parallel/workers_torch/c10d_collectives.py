@@ -8,6 +8,7 @@ that issue collectives, errors on every rank, destroy.
 from __future__ import annotations
 
 import os
+import re
 import threading
 import warnings
 from datetime import timedelta
@@ -182,6 +183,41 @@ def case_gathers():
     check(objs == [f"obj{1 % N}", 1 % N], f"broadcast_object_list {objs}")
 
 
+def case_all_gather_coalesced():
+    """torch's documented semantics: output_tensor_lists[r][j] is rank r's j-th input."""
+    shapes = [(2, 3), (4,), (0,), (), (3, 1, 2)]
+    for dtype in (torch.float32, torch.int64, torch.complex64):
+        base = torch.float32 if dtype == torch.complex64 else dtype
+        mine = [rank_input(R, s, base, 20 + j) for j, s in enumerate(shapes)]
+        if dtype == torch.complex64:
+            mine = [torch.complex(x, x + 1) for x in mine]
+        outs = [[torch.full(s, -1, dtype=dtype) for s in shapes] for _ in range(N)]
+        dist.all_gather_coalesced(outs, mine)
+        for r in range(N):
+            for j, s in enumerate(shapes):
+                want = rank_input(r, s, base, 20 + j)
+                if dtype == torch.complex64:
+                    want = torch.complex(want, want + 1)
+                check(torch.equal(outs[r][j], want),
+                      f"all_gather_coalesced {dtype}: rank {r} tensor {j}: {outs[r][j]}")
+    outs = [[torch.empty(2), torch.empty(1)] for _ in range(N)]
+    fut = dist.all_gather_coalesced(outs, [torch.full((2,), float(R)), torch.ones(1) * R],
+                                    async_op=True)
+    fut.wait()
+    for r in range(N):
+        close(outs[r][0], torch.full((2,), float(r)), f"async all_gather_coalesced {r}")
+        close(outs[r][1], torch.full((1,), float(r)), f"async all_gather_coalesced {r} 1")
+    # misuse raises at once on every rank; different row lengths fail on every rank
+    raises(lightcc.LightCCError, lambda: dist.all_gather_coalesced(
+        [[torch.empty(2)]], [torch.ones(2)]), "one output list", match="one per rank")
+    raises(lightcc.LightCCError, lambda: dist.all_gather_coalesced(
+        [[torch.empty(3)] for _ in range(N)], [torch.ones(2)]), "output sizes",
+        match="elements per tensor")
+    k = 2 if R == 0 else 3
+    raises(lightcc.LightCCError, lambda: dist.all_gather_coalesced(
+        [[torch.empty(k)] for _ in range(N)], [torch.ones(k)]), "ranks differ", match="shape")
+
+
 def case_reduce_scatter_alltoall():
     for op in (dist.ReduceOp.SUM, dist.ReduceOp.AVG, dist.ReduceOp.MAX):
         xs = inputs((N * 2, 3), torch.float32, 9)
@@ -279,7 +315,9 @@ def case_point_to_point_and_timeouts():
     # a collective the other ranks never issue: wait() and the future both time out
     if R == 0:      # (pg's ordered stream is out of step on rank 0 afterwards: not used again)
         work = dist.all_reduce(torch.ones(1), group=pg, async_op=True)
-        raises(lightcc.LightCCError, work.wait, "work.wait timeout", match="within 1 s")
+        exc = raises(lightcc.LightCCError, work.wait, "work.wait timeout", match="within 1 s")
+        # torch's own suite (test_barrier_timeout_*) recognizes a timeout by this pattern
+        check(re.search(" (Timed out|closed|timeout) ", str(exc)), f"torch's pattern: {exc}")
         raises(lightcc.LightCCError, work.get_future().wait, "future timeout (watchdog)",
                match="within 1 s")
     dist.barrier()
@@ -334,5 +372,6 @@ def case_destroy():
 
 
 run([case_init_without_arguments, case_allreduce_ops_dtypes, case_numpy_api_bitwise,
-     case_async_and_futures, case_broadcast_reduce, case_gathers, case_reduce_scatter_alltoall,
+     case_async_and_futures, case_broadcast_reduce, case_gathers, case_all_gather_coalesced,
+     case_reduce_scatter_alltoall,
      case_subgroups, case_point_to_point_and_timeouts, case_mismatch_errors_every_rank, case_destroy])
