@@ -15,9 +15,13 @@ bucket as one tensor; fp8, TopK and PowerSGD submit each parameter's gradient as
 its own (a view of the bucket), so each parameter gets its own scales, its own k and its own
 factors, exactly as under ``DistributedOptimizer`` (and parameters under
 ``LCC_MIN_COMPRESS_BYTES`` travel uncompressed). Buckets go on the process set's ordered stream
-(DDP runs the hooks in bucket order on every rank) under names built from ``HookState.name``,
-the bucket index and the parameter's position in it, which key the error-feedback residuals
-(and PowerSGD factors): :meth:`HookState.state_dict` returns them for checkpoints.
+(DDP runs the hooks in bucket order on every rank) under names built from ``HookState.name``
+and the parameter (``name:param``: its name in the model when the hook was registered with
+:func:`register`, else ``p0``, ``p1``, ... in the order the hook first saw the parameters, the
+same on every rank), never from its place in a bucket: DDP rebuilds its buckets after the first
+step, and a residual keyed by position would then be added to another parameter. The names key
+the error-feedback residuals (and PowerSGD factors): :meth:`HookState.state_dict` returns them
+for checkpoints.
 
 Wire cost per rank for a bucket of ``N`` float32 elements over ``n`` ranks (uncompressed ring:
 ``8 N (n-1)/n`` bytes): fp16/bf16 ``4 N (n-1)/n``; fp8 ``2 N (n-1)/n`` plus 4-byte scales;
@@ -71,6 +75,21 @@ class HookState:
         self.process_group = process_group
         self._ps: "api.ProcessSet | None" = None
         self.steps = 0                               # buckets reduced so far
+        self._params: dict[int, str] = {}            # id(parameter) -> its label
+
+    def name_parameters(self, named_parameters: Any) -> None:
+        """Label the residuals of these ``(name, parameter)`` pairs by name (:func:`register`
+        passes the model's); others get ``p0``, ``p1``, ... when first seen."""
+        for pname, param in named_parameters:
+            self._params[id(param)] = f"{self.name}:{pname}"
+
+    def label(self, param: Any) -> str:
+        """The name a parameter's gradient is reduced under (keys its residual)."""
+        key = id(param)
+        found = self._params.get(key)
+        if found is None:
+            found = self._params[key] = f"{self.name}:p{len(self._params)}"
+        return found
 
     def process_set(self) -> api.ProcessSet:
         """The lightcc process set the buckets are reduced over (lightcc started if needed)."""
@@ -122,7 +141,7 @@ class HookState:
 
 
 def _mine(key: str, prefix: str) -> bool:
-    return key.startswith(prefix + ".b")
+    return key.startswith(prefix + ":")
 
 
 def _default_name() -> str:
@@ -142,12 +161,12 @@ def _reduce(state: HookState, bucket: dist.GradBucket, family: str,
     what = f"DDP hook '{state.name}' bucket {bucket.index()}"
     st = stage(buf, what)
     flat = st.array.reshape(-1)
-    base = f"{state.name}.b{bucket.index()}"
+    base = f"{state.name}:b{bucket.index()}"
     if per_tensor:     # each parameter its own scales / k / factors (PowerSGD needs shapes)
         parts, offset = [], 0
-        for i, p in enumerate(bucket.parameters()):
+        for p in bucket.parameters():
             view = flat[offset:offset + p.numel()].reshape(tuple(p.shape) or (1,))
-            parts.append((f"{base}.p{i}", view))
+            parts.append((state.label(p), view))
             offset += p.numel()
     else:
         parts = [(base, flat)]
@@ -228,6 +247,7 @@ def register(model: torch.nn.parallel.DistributedDataParallel, kind: str,
         raise InvalidArgumentError(f"unknown lightcc DDP hook {kind!r}; known: "
                                    f"{', '.join(HOOKS)}")
     state = HookState(compression or _DEFAULT_SPECS[kind], **state_kw)
+    state.name_parameters(getattr(model, "module", model).named_parameters())
     model.register_comm_hook(state, HOOKS[kind])
     return state
 
