@@ -4,7 +4,9 @@ A compressor owns the *scheme* of a compressed allreduce on one fused bucket, wr
 the ``Communicator`` protocol only, because a correct compressed collective is more than
 compress -> dense allreduce -> decompress (an FP8 sum overflows, a sum of sparse vectors is
 not sparse). The engine hands it a 1-D float32 bucket that holds several tensors packed back
-to back (``BucketContext.layout``) and expects the bucket summed over ``comm`` in place.
+to back (``BucketContext``: names, offsets, sizes, shapes) and expects the bucket summed over
+``comm`` in place. A lossy compressor treats each tensor on its own (``BucketContext.spans``),
+so a tensor's result never depends on which tensors share its bucket (that depends on timing).
 Algorithms that split a bucket (hierarchical, 2D) call it on a slice; ``ctx.base`` says where
 the slice starts in the full bucket so per-tensor state (error feedback residuals, keyed by
 tensor name) lines up.
