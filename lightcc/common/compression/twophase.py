@@ -16,7 +16,7 @@ rank's chunk while earlier pieces are on the wire; the owner sums piece ``j`` (r
 as soon as all copies of it have arrived, re-encodes it and sends it on while later pieces are
 still arriving. Encoding, decoding and the slow link then overlap, so on a slow network the time
 approaches ``wire bytes / line rate`` instead of ``codec time + wire time``. The bytes on the
-wire and the per-piece arithmetic are those of the unpipelined scheme applied to each piece
+wire and the per-piece arithmetic are those of the unpipelined scheme applied to each piece.
 Device buffers (CuPy) always use the collective scheme, with the codecs' CUDA kernels.
 
 **Scaled formats (fp8) never cut a scaling block.** A scaled codec has a ``unit`` (elements
