@@ -114,18 +114,19 @@ class Compression:
     @staticmethod
     def fp8(format: str = "e4m3", scaling: str = "bucket",
             block_size: int = 256) -> BucketCompressor:
-        """Scaled FP8 per bucket: ``format`` e4m3 | e5m2, one scale per chunk or per block."""
+        """Scaled FP8 on fused buckets: ``format`` e4m3 | e5m2, a scale per tensor or per
+        block of one."""
         return BucketCompressor(_CoreCompression.fp8(format, scaling, block_size).spec)
 
     @staticmethod
     def topk(ratio: float = 0.01, error_feedback: bool = True) -> BucketCompressor:
-        """Top ``ratio`` of each bucket by magnitude, with error feedback by default."""
+        """Top ``ratio`` of each tensor by magnitude, with error feedback by default."""
         return BucketCompressor(_CoreCompression.topk(ratio, error_feedback).spec)
 
     @staticmethod
     def powersgd(rank: int = 2, warm_start: bool = True,
                  error_feedback: bool = True) -> BucketCompressor:
-        """Rank-``rank`` PowerSGD per bucket (warm start and error feedback by default)."""
+        """Rank-``rank`` PowerSGD per tensor (warm start and error feedback by default)."""
         return BucketCompressor(_CoreCompression.powersgd(rank, warm_start,
                                                           error_feedback).spec)
 

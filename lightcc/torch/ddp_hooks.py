@@ -10,16 +10,24 @@ under ``lccrun``/``mpirun``)::
 or ``ddp_hooks.register(model, "topk")``. Each hook hands the bucket to lightcc's compressed
 allreduce (the engine's two-phase fp16/bf16/fp8 scheme, TopK's sparse allgather, PowerSGD's
 factor allreduces) on its background thread and returns a future that completes with the
-averaged bucket, identical bit for bit on every rank. Buckets go on the process set's ordered
-stream (DDP runs the hooks in bucket order on every rank) under a name built from
-``HookState.name`` and the bucket index, which keys the per-bucket error-feedback residuals
-(and PowerSGD factors): :meth:`HookState.state_dict` returns them for checkpoints.
+averaged bucket, identical bit for bit on every rank. fp16/bf16 (element-wise) submit the
+bucket as one tensor; fp8, TopK and PowerSGD submit each parameter's gradient as a tensor of
+its own (a view of the bucket), so each parameter gets its own scales, its own k and its own
+factors, exactly as under ``DistributedOptimizer`` (and parameters under
+``LCC_MIN_COMPRESS_BYTES`` travel uncompressed). Buckets go on the process set's ordered stream
+(DDP runs the hooks in bucket order on every rank) under names built from ``HookState.name``
+and the parameter (``name:param``: its name in the model when the hook was registered with
+:func:`register`, else ``p0``, ``p1``, ... in the order the hook first saw the parameters, the
+same on every rank), never from its place in a bucket: DDP rebuilds its buckets after the first
+step, and a residual keyed by position would then be added to another parameter. The names key
+the error-feedback residuals (and PowerSGD factors): :meth:`HookState.state_dict` returns them
+for checkpoints.
 
 Wire cost per rank for a bucket of ``N`` float32 elements over ``n`` ranks (uncompressed ring:
 ``8 N (n-1)/n`` bytes): fp16/bf16 ``4 N (n-1)/n``; fp8 ``2 N (n-1)/n`` plus 4-byte scales;
-TopK ``8 k (n-1)`` with ``k = ratio N`` (indices and values to every other rank); PowerSGD
-``8 r (rows + cols) (n-1)/n`` per weight matrix plus the uncompressed biases.
-:meth:`HookState.wire_bytes` computes it for a bucket size.
+TopK ``8 (n-1) sum(k)`` with ``k = ratio N_p`` per parameter (indices and values to every
+other rank); PowerSGD ``8 r (rows + cols) (n-1)/n`` per weight matrix plus the uncompressed
+biases. :meth:`HookState.wire_bytes` computes it for one tensor.
 """
 # no ``from __future__ import annotations``: DDP compares the hooks' annotations with
 # dist.GradBucket and torch.futures.Future[torch.Tensor] as objects
@@ -67,6 +75,21 @@ class HookState:
         self.process_group = process_group
         self._ps: "api.ProcessSet | None" = None
         self.steps = 0                               # buckets reduced so far
+        self._params: dict[int, str] = {}            # id(parameter) -> its label
+
+    def name_parameters(self, named_parameters: Any) -> None:
+        """Label the residuals of these ``(name, parameter)`` pairs by name (:func:`register`
+        passes the model's); others get ``p0``, ``p1``, ... when first seen."""
+        for pname, param in named_parameters:
+            self._params[id(param)] = f"{self.name}:{pname}"
+
+    def label(self, param: Any) -> str:
+        """The name a parameter's gradient is reduced under (keys its residual)."""
+        key = id(param)
+        found = self._params.get(key)
+        if found is None:
+            found = self._params[key] = f"{self.name}:p{len(self._params)}"
+        return found
 
     def process_set(self) -> api.ProcessSet:
         """The lightcc process set the buckets are reduced over (lightcc started if needed)."""
@@ -118,7 +141,7 @@ class HookState:
 
 
 def _mine(key: str, prefix: str) -> bool:
-    return key.startswith(prefix + ".b")
+    return key.startswith(prefix + ":")
 
 
 def _default_name() -> str:
@@ -138,12 +161,12 @@ def _reduce(state: HookState, bucket: dist.GradBucket, family: str,
     what = f"DDP hook '{state.name}' bucket {bucket.index()}"
     st = stage(buf, what)
     flat = st.array.reshape(-1)
-    base = f"{state.name}.b{bucket.index()}"
-    if per_tensor:     # PowerSGD factorizes each weight matrix, so it needs the shapes
+    base = f"{state.name}:b{bucket.index()}"
+    if per_tensor:     # each parameter its own scales / k / factors (PowerSGD needs shapes)
         parts, offset = [], 0
-        for i, p in enumerate(bucket.parameters()):
+        for p in bucket.parameters():
             view = flat[offset:offset + p.numel()].reshape(tuple(p.shape) or (1,))
-            parts.append((f"{base}.p{i}", view))
+            parts.append((state.label(p), view))
             offset += p.numel()
     else:
         parts = [(base, flat)]
@@ -174,14 +197,16 @@ def bf16_hook(state: HookState | None, bucket: dist.GradBucket) -> FutureTensor:
 
 def fp8_hook(state: HookState | None, bucket: dist.GradBucket) -> FutureTensor:
     """Average the bucket as scaled fp8 (E4M3 by default, ``Compression.fp8("e5m2", ...)``
-    for E5M2; power-of-two scales per chunk or per block): a quarter of the bytes."""
-    return _reduce(state or _default("fp8"), bucket, "fp8", False)
+    for E5M2; power-of-two scales per parameter or per block of one): a quarter of the
+    bytes."""
+    return _reduce(state or _default("fp8"), bucket, "fp8", True)
 
 
 def topk_hook(state: HookState | None, bucket: dist.GradBucket) -> FutureTensor:
-    """Send the largest ``ratio`` of the bucket (1 % by default) with error feedback: what is
-    not sent is added to the bucket's next gradient (Seide et al. 2014; Stich et al. 2018)."""
-    return _reduce(state or _default("topk"), bucket, "topk", False)
+    """Send the largest ``ratio`` of each parameter's gradient (1 % by default) with error
+    feedback: what is not sent is added to its next gradient (Seide et al. 2014; Stich et
+    al. 2018)."""
+    return _reduce(state or _default("topk"), bucket, "topk", True)
 
 
 def powersgd_hook(state: HookState | None, bucket: dist.GradBucket) -> FutureTensor:
@@ -222,6 +247,7 @@ def register(model: torch.nn.parallel.DistributedDataParallel, kind: str,
         raise InvalidArgumentError(f"unknown lightcc DDP hook {kind!r}; known: "
                                    f"{', '.join(HOOKS)}")
     state = HookState(compression or _DEFAULT_SPECS[kind], **state_kw)
+    state.name_parameters(getattr(model, "module", model).named_parameters())
     model.register_comm_hook(state, HOOKS[kind])
     return state
 

@@ -61,8 +61,15 @@ def test_compressed_fsdp2_reduce_scatter_training_and_accuracy():
     _ok(out, 5, 2)
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(500)
 def test_lightcc_ddp_hooks_converge_within_bars():
+    """Each lightcc hook on DDP (64-128-10 MLP on digits, 2 ranks, 300 steps) against no hook:
+    mean accuracy drop over seeds paired with the uncompressed run, measured (mean ± standard
+    deviation of the per-seed drops, seeds): fp16 -0.07 ± 0.14 (4), bf16 -0.07 ± 0.14 (4),
+    fp8 0.00 ± 0.23 (4), fp8 E5M2 -0.07 ± 0.14 (4), all within 0.5; TopK 1 % + EF 0.67 ± 1.54
+    (20: standard error 0.34, two of them under the 1.5 bar); PowerSGD -0.09 ± 0.55 (6,
+    bar 1.0). Before the hooks compressed per parameter, TopK (k over the whole DDP bucket,
+    residuals keyed by bucket position) lost 2.78 points on the 64-32-10 MLP."""
     pytest.importorskip("sklearn")
-    out = run_mpi(2, [str(W / "c10d_hooks_convergence.py")], env=QUIET, timeout=230).stdout
+    out = run_mpi(2, [str(W / "c10d_hooks_convergence.py")], env=QUIET, timeout=490).stdout
     _ok(out, 3, 2)

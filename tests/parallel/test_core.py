@@ -106,9 +106,10 @@ def test_invalid_env_value_is_reported_on_every_rank():
 
 @pytest.mark.parametrize("np_,local", [(2, "0"), (3, "2"), (4, "2")])
 def test_compressed_allreduce_through_engine_every_algorithm(np_, local):
-    # LCC_OVERLAP=0: each rank sends a step's tensors in one message when it starts waiting,
-    # so they share one batch and one bucket in both runs the worker compares bit for bit (in
-    # the background mode a loaded host may split them, and TopK per bucket then differs)
+    # against sim.py's simulation of each compressor; LCC_OVERLAP=0: each rank sends a step's
+    # tensors in one message when it starts waiting, so they share one batch and one bucket,
+    # which the simulation of the hierarchical/2d shards on 2 x 2 simulated nodes assumes (a
+    # shard cuts a bucket, not a tensor; compressors are per tensor otherwise)
     out = run_mpi(np_, [W + "engine_compression.py"], env={"LCC_LOCAL_SIZE": local,
                                                            "LCC_OVERLAP": "0"},
                   timeout=240).stdout

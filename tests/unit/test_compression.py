@@ -240,16 +240,21 @@ def test_state_dict_round_trip(spec):
 
 
 # ---- wire bytes ------------------------------------------------------------------------------
-@pytest.mark.parametrize("spec,bpe,scales", [("fp16", 2, 0), ("bf16", 2, 0), ("fp8", 1, 1),
-                                             ("fp8:e4m3:block:256", 1, 4)])
-def test_two_phase_wire_formula(spec, bpe, scales):
+@pytest.mark.parametrize("spec,bpe,unit", [("fp16", 2, 0), ("bf16", 2, 0), ("fp8", 1, 1 << 16),
+                                           ("fp8:e4m3:block:256", 1, 256)])
+@pytest.mark.parametrize("sizes", [(4096,), (70_000, 300, 1000, 131_072)])
+def test_two_phase_wire_formula(spec, bpe, unit, sizes):
+    """``2 (p-1)/p (N bpe + 4 u)``: u scales, one per ``unit`` elements of each tensor (the
+    chunks and pieces never cut a scaling block, so they add none)."""
     comp = compression.make(spec)
-    n, p = 1 << 12, 4        # chunks of 1024 = 4 blocks of 256
-    want = 2 * (p - 1) * (n * bpe + 4 * scales * p) // p
-    assert comp.wire_bytes(n, p) == want
-    assert comp.wire_bytes(n, 1) == 0
-    assert sum(comp.rank_wire_bytes(n + 3, p, r) for r in range(p)) // p == \
-        comp.wire_bytes(n + 3, p)
+    n, p = sum(sizes), 4
+    ctx = _ctx(sizes)
+    units = sum(-(-s // unit) for s in sizes) if unit else 0
+    want = 2 * (p - 1) * (n * bpe + 4 * units) // p
+    assert comp.wire_bytes(n, p, ctx) == want
+    assert comp.wire_bytes(n, 1, ctx) == 0
+    assert sum(comp.rank_wire_bytes(n, p, r, ctx) for r in range(p)) // p == \
+        comp.wire_bytes(n, p, ctx)
 
 
 def test_topk_and_powersgd_wire_formula():
@@ -316,26 +321,38 @@ def test_powersgd_warm_start_key_does_not_depend_on_the_bucket_layout():
 # ---- error feedback and top-k in one pass ----------------------------------------------------
 @pytest.mark.parametrize("n,k,kind", [(1000, 7, "normal"), (400_000, 4000, "normal"),
                                       (400_000, 4000, "ties"), (400_000, 4000, "nonfinite"),
-                                      (400_000, 400_000, "normal"), (400_000, 0, "normal")])
-def test_ef_topk_matches_the_separate_steps(n, k, kind):
+                                      (400_000, 4000, "zeros"), (400_000, 400_000, "normal"),
+                                      (400_000, 0, "normal"), (200_000, 3, "heavy")])
+@pytest.mark.parametrize("numba", [True, False])
+def test_ef_topk_matches_the_separate_steps(n, k, kind, numba, monkeypatch):
+    """One pass per tensor: each part's exact top k of (gradient + residual), whatever the
+    other parts hold; the residual keeps the rest, the gradient buffer is zeroed."""
+    if not numba:
+        monkeypatch.setattr(sparse, "HAVE_NUMBA", False)
     g = RNG.standard_normal(n).astype(np.float32)
     r = (0.5 * RNG.standard_normal(n)).astype(np.float32)
-    if kind == "ties":                       # mostly zeros: ties at the sampled threshold
+    if kind in ("ties", "zeros"):            # mostly zeros: ties at the sampled threshold
         g[:] = 0.0
         r[:] = 0.0
-        where = RNG.choice(n, 3000, replace=False)
-        g[where] = RNG.choice([2.0, -2.0, 1.0], where.size)
+        if kind == "ties":
+            where = RNG.choice(n, 3000, replace=False)
+            g[where] = RNG.choice([2.0, -2.0, 1.0], where.size)
     elif kind == "nonfinite":
         g[[3, 50_000, 399_999]] = [np.nan, np.inf, -np.inf]
+    elif kind == "heavy":                    # heavy tails: the sample sees few of the top k
+        g = (RNG.standard_t(1.5, n) * 10.0 ** RNG.integers(-3, 3, n)).astype(np.float32)
     acc = g + r                                # float32, as the separate steps compute it
-    want = _topk_reference(acc, k)
-    left = acc.copy()
-    left[want] = 0.0
-    for cuts in ([], [1, 1000 if n > 1000 else 2, n // 2]):   # one residual, or per tensor
-        buf, res = g.copy(), r.copy()
+    for cuts in ([], [1, 1000 if n > 1000 else 2, n // 2]):   # one tensor, or several
         bounds = [0, *cuts, n]
+        ks = [k] if not cuts else [max(1, -(-k * (b - a) // n)) for a, b in zip(bounds,
+                                                                                 bounds[1:])]
+        want = np.concatenate([_topk_reference(acc[a:b], kk) + a
+                               for (a, b), kk in zip(zip(bounds, bounds[1:]), ks)])
+        left = acc.copy()
+        left[want] = 0.0
+        buf, res = g.copy(), r.copy()
         parts = res if not cuts else [(a, res[a:b]) for a, b in zip(bounds, bounds[1:])]
-        idx, vals = sparse.ef_topk(buf, parts, k)
+        idx, vals = sparse.ef_topk(buf, parts, ks[0] if not cuts else ks)
         np.testing.assert_array_equal(idx, want)
         np.testing.assert_array_equal(vals, acc[want])
         np.testing.assert_array_equal(res, left)
@@ -343,32 +360,79 @@ def test_ef_topk_matches_the_separate_steps(n, k, kind):
 
 
 @pytest.mark.parametrize("sizes", [(300_000,), (100_000, 7, 150_000, 60_000), (500,)])
-def test_topk_allreduce_matches_numpy_error_feedback(sizes):
-    """The one-pass path (kernels/sparse.ef_topk over each tensor's residual): the sum and the
-    residuals follow TopK with error feedback computed step by step in NumPy."""
+@pytest.mark.parametrize("ef", [True, False])
+def test_topk_allreduce_matches_numpy_error_feedback(sizes, ef):
+    """TopK per tensor (one pass with error feedback through kernels/sparse.ef_topk; without,
+    topk_indices per tensor): the sum and the residuals follow TopK computed tensor by
+    tensor, step by step in NumPy."""
     from tests.doubles.fake_nccl import run_ranks, thread_worlds
 
     p, n, steps = 2, sum(sizes), 3
-    comps = [compression.make("topk:0.01") for _ in range(p)]
+    comps = [compression.make("topk:0.01" + ("" if ef else ":noef")) for _ in range(p)]
     ctx = _ctx(sizes)
     worlds = thread_worlds(p)
     residual = [np.zeros(n, np.float32) for _ in range(p)]
-    k = math.ceil(0.01 * n)
     for step in range(steps):
         grads = [RNG.standard_normal(n).astype(np.float32) for _ in range(p)]
         want = np.zeros(n, np.float32)
         for r in range(p):
-            acc = grads[r] + residual[r]
-            idx = _topk_reference(acc, k)
-            np.add.at(want, idx, acc[idx])
+            acc = grads[r] + residual[r] if ef else grads[r].copy()
+            for lo, size in zip(ctx.offsets, sizes):
+                idx = lo + _topk_reference(acc[lo:lo + size], math.ceil(0.01 * size))
+                np.add.at(want, idx, acc[idx])
+                acc[idx] = 0.0
             residual[r] = acc
-            residual[r][idx] = 0.0
         bufs = [g.copy() for g in grads]
         run_ranks(p, lambda r: comps[r].allreduce(worlds[r], bufs[r], ctx))
         for r in range(p):
             np.testing.assert_array_equal(bufs[r], want)
-            kept = np.concatenate([comps[r].memory.residuals[name] for name in ctx.names])
-            np.testing.assert_array_equal(kept, residual[r])
+            if ef:
+                kept = np.concatenate([comps[r].memory.residuals[name] for name in ctx.names])
+                np.testing.assert_array_equal(kept, residual[r])
+        assert comps[0].wire_bytes(n, p, ctx) == \
+            8 * (p - 1) * sum(math.ceil(0.01 * s) for s in sizes)
+
+
+@pytest.mark.parametrize("spec", ["topk:0.01", "topk:0.02:noef", "fp8", "fp8:e4m3:block:64",
+                                  "fp8_e5m2", "bf16", "powersgd:2", "powersgd:1:noef"])
+@pytest.mark.parametrize("piece_bytes", [None, 20_000])
+def test_tensor_result_does_not_depend_on_its_bucket(spec, piece_bytes, monkeypatch):
+    """A tensor's sum (and error-feedback residual) is the same, bit for bit, whether it is
+    reduced alone or fused with other tensors before or after it, on 3 ranks; with
+    ``piece_bytes`` the two-phase scheme is also pipelined (pieces of that many fp32 bytes).
+    PowerSGD: one step has a non-finite gradient in tensor 'c' (it goes dense alone)."""
+    from lightcc.common.compression import twophase
+    from tests.doubles.fake_nccl import run_ranks, thread_worlds
+
+    if piece_bytes is not None:
+        if not spec.startswith(("fp", "bf")):
+            pytest.skip("pieces are the two-phase scheme's")
+        monkeypatch.setattr(twophase, "PIECE_BYTES", piece_bytes)
+    p = 3
+    shapes = {"a": (200, 200), "b": (1_500,), "c": (300, 300), "d": (70_000,)}
+    scale = {"a": 1.0, "b": 1e-4, "c": 30.0, "d": 1e-3}     # magnitudes differ by tensor
+    layouts = [("a",), ("b",), ("c",), ("d",), ("a", "b", "c", "d"), ("c", "a"), ("b", "d", "c")]
+    got: dict = {}
+    for layout in layouts:
+        comps = [compression.make(spec) for _ in range(p)]
+        worlds = thread_worlds(p)
+        sizes = tuple(math.prod(shapes[t]) for t in layout)
+        offsets = tuple(int(o) for o in np.cumsum((0,) + sizes[:-1]))
+        ctx = BucketContext(layout, offsets, sizes, 0, 0, tuple(shapes[t] for t in layout))
+        for step in range(3):
+            grads = [np.concatenate([(scale[t] * np.random.default_rng([step, r, ord(t)])
+                                      .standard_normal(math.prod(shapes[t]))).astype(np.float32)
+                                     for t in layout]) for r in range(p)]
+            if step == 1 and "c" in layout and spec.startswith("powersgd"):
+                grads[1][offsets[layout.index("c")] + 5] = np.inf
+            run_ranks(p, lambda r: comps[r].allreduce(worlds[r], grads[r], ctx))
+        for t, lo, size in zip(layout, offsets, sizes):
+            res = getattr(comps[0], "memory", None)
+            res = None if res is None else res.residuals.get(t)
+            got.setdefault(t, []).append((grads[0][lo:lo + size].tobytes(),
+                                          None if res is None else res.tobytes()))
+    for t, runs in got.items():
+        assert all(run == runs[0] for run in runs), f"{spec}: tensor {t} depends on its bucket"
 
 
 def test_topk_parts_equal_the_packed_bucket_bitwise():

@@ -39,7 +39,8 @@ class Compression:
 
     @staticmethod
     def fp8(format: str = "e4m3", scaling: str = "bucket", block_size: int = 256) -> CompressionSpec:
-        """Scaled FP8: ``format`` e4m3 | e5m2; one scale per chunk (``bucket``) or per block."""
+        """Scaled FP8: ``format`` e4m3 | e5m2; a power-of-two scale per tensor (``bucket``;
+        per 64 Ki elements of a larger one) or per ``block_size`` elements of a tensor."""
         if format not in ("e4m3", "e5m2"):
             raise ConfigError(f"fp8 format must be 'e4m3' or 'e5m2', got {format!r}")
         if scaling not in ("bucket", "block"):
@@ -51,7 +52,7 @@ class Compression:
 
     @staticmethod
     def topk(ratio: float = 0.01, error_feedback: bool = True) -> CompressionSpec:
-        """Top ``ratio`` of each bucket by magnitude, with error feedback by default."""
+        """Top ``ratio`` of each tensor by magnitude, with error feedback by default."""
         if not 0.0 < float(ratio) <= 1.0:
             raise ConfigError(f"topk ratio must be in (0, 1], got {ratio}")
         return CompressionSpec(f"topk:{float(ratio):g}:{'ef' if error_feedback else 'noef'}")
@@ -59,7 +60,7 @@ class Compression:
     @staticmethod
     def powersgd(rank: int = 2, warm_start: bool = True,
                  error_feedback: bool = True) -> CompressionSpec:
-        """Rank-``rank`` PowerSGD per bucket (warm start and error feedback by default)."""
+        """Rank-``rank`` PowerSGD per tensor (warm start and error feedback by default)."""
         if int(rank) < 1:
             raise ConfigError(f"powersgd rank must be >= 1, got {rank}")
         return CompressionSpec(f"powersgd:{int(rank)}" + ("" if warm_start else ":nowarm")

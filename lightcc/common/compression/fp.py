@@ -1,13 +1,17 @@
 """fp16, bf16 and scaled fp8 (E4M3 / E5M2) compression over the two-phase scheme.
 
-Wire format of one chunk of ``n`` elements: ``nscales`` float32 scales (powers of two; none for
-fp16/bf16, one per chunk for ``bucket`` scaling, one per ``block_size`` elements for ``block``)
-followed by ``n`` codes (2 bytes for fp16/bf16, 1 for fp8). An fp8 scale is the smallest power
-of two ``2**e`` with ``amax / 2**e <= format max`` (amax over the finite values of the chunk or
-block), so the largest value lands in the format's top binade. Finite values beyond a format's
-range saturate (fp16 at ±65504, E4M3 at ±448, E5M2 at ±57344) instead of becoming Inf; NaN
-stays NaN, ±Inf stays ±Inf (NaN in E4M3, which has no infinity). GPU buffers (CuPy) are
-encoded and decoded by the CUDA kernels of ``compression/gpu.py``, bit for bit the same.
+Wire format of ``n`` elements of one tensor: ``nscales`` float32 scales (powers of two; none
+for fp16/bf16, one per :attr:`FloatCodec.unit` elements for fp8: ``block_size`` for ``block``
+scaling, :data:`BUCKET_UNIT` for ``bucket`` scaling, i.e. one scale per tensor up to 64 Ki
+elements) followed by ``n`` codes (2 bytes for fp16/bf16, 1 for fp8). An fp8 scale is the
+smallest power of two ``2**e`` with ``amax / 2**e <= format max`` (amax over the finite values
+of its block), so the largest value lands in the format's top binade. Scaling blocks start at
+each tensor's start and never span two tensors, and the two-phase scheme cuts a bucket only
+between blocks, so a tensor's scales (and result) never depend on the tensors it was fused
+with. Finite values beyond a format's range saturate (fp16 at ±65504, E4M3 at ±448, E5M2 at
+±57344) instead of becoming Inf; NaN stays NaN, ±Inf stays ±Inf (NaN in E4M3, which has no
+infinity). GPU buffers (CuPy) are encoded and decoded by the CUDA kernels of
+``compression/gpu.py``, bit for bit the same.
 """
 from __future__ import annotations
 
@@ -18,25 +22,32 @@ from ..kernels import floatcast as fc
 from . import gpu, register
 from .twophase import TwoPhaseCompressor
 
+#: Elements per scale of ``bucket``-scaled fp8: one scale per tensor of up to this many
+#: elements (256 KB of fp32), one per this many of a larger tensor. Blocks this size are
+#: scaled in one pass while in cache (kernels/floatcast.encode_scaled), and the two-phase
+#: scheme may cut a large tensor between them to share it among the ranks.
+BUCKET_UNIT = 1 << 16
+
 
 class FloatCodec:
-    """Encodes chunks in ``fmt`` with optional power-of-two scales (``scaling``: None/bucket/block)."""
+    """Encodes one tensor's elements in ``fmt`` with optional power-of-two scales
+    (``scaling``: None, ``bucket``: per :data:`BUCKET_UNIT` elements, ``block``: per
+    ``block_size``)."""
 
     def __init__(self, fmt: fc.FloatFormat, scaling: str | None = None,
                  block_size: int = 256) -> None:
         self.fmt = fmt
         self.scaling = scaling
         self.block_size = int(block_size)
+        #: elements per scale, counted from the start of what is encoded (0: no scales)
+        self.unit = 0 if scaling is None else \
+            (self.block_size if scaling == "block" else BUCKET_UNIT)
 
     def nscales(self, n: int) -> int:
-        if self.scaling is None or n == 0:
-            return 0
-        if self.scaling == "bucket":
-            return 1
-        return -(-n // self.block_size)
+        return 0 if self.unit == 0 else -(-n // self.unit)
 
     def _bs(self, n: int) -> int:
-        return self.block_size if self.scaling == "block" else max(n, 1)
+        return self.unit or max(n, 1)
 
     def nbytes(self, n: int) -> int:
         """Encoded size of ``n`` elements: scales (4 bytes each) + codes."""

@@ -164,7 +164,8 @@ def decode_sum(codes: Any, f: fc.FloatFormat, scales: Any = None, bs: int | None
 
 
 def _codec_bs(codec: Any, n: int) -> int:
-    return int(codec.block_size) if codec.scaling == "block" else max(n, 1)
+    """Elements per scale of ``FloatCodec`` ``codec`` encoding ``n`` elements."""
+    return int(codec.unit) or max(n, 1)
 
 
 def encode_into(codec: Any, x: Any, out: Any) -> None:

@@ -1,20 +1,23 @@
-"""PowerSGD: rank-r approximation of each bucket with error feedback and warm start.
+"""PowerSGD: rank-r approximation of each tensor of a bucket, error feedback, warm start.
 
-After Vogels et al. 2019 ("PowerSGD: Practical Low-Rank Gradient Compression") and the shape of
-torch's DDP ``powerSGD_hook``. The engine hands a flat bucket, not the tensors' shapes, so the
-bucket (plus its residual) is viewed as a near-square matrix ``M`` of ``rows x cols`` with
-``cols = ceil(sqrt(n))`` and ``rows = ceil(n / cols)`` (zero padded); error feedback makes up
-for the structure lost by that reshape. One power iteration per step::
+After Vogels et al. 2019 ("PowerSGD: Practical Low-Rank Gradient Compression") and torch's DDP
+``powerSGD_hook``: **per tensor**, a tensor with at least 2 dimensions (``ctx.shapes``) is the
+matrix ``M`` of ``shape[0] x rest``; 1-D tensors (biases, norms) and matrices whose factors
+would not be smaller travel exactly. A tensor without a shape is viewed as the zero-padded
+near-square ``ceil(n / cols) x cols`` matrix, ``cols = ceil(sqrt(n))``. One power iteration
+per step, every tensor's factors in one buffer::
 
     P = M Q;      allreduce(P);  P = orthonormal basis of P (QR)
     Q_i = M^T P;  allreduce(Q);  result = P Q^T  (= P P^T sum_i M_i, the SUM the engine wants)
 
 Q starts from a seeded standard normal (identical on all ranks) and, with warm start, is kept
-per bucket for the next step. GPU buffers run the same steps with CuPy (matmul, QR), with
+per tensor for the next step. GPU buffers run the same steps with CuPy (matmul, QR), with
 their factors and residuals on the GPU. The residual of rank i is ``M_i - P Q_i^T`` (what its
 own matrix lost in the projection; the residuals sum to ``sum M_i - result``). A rank sends
-``2 (n-1)/n * 4 r (rows + cols)`` bytes instead of ``2 (n-1)/n * 4 N``. Buckets where that is
-no saving are summed uncompressed.
+``2 (n-1)/n * 4 r (rows + cols)`` bytes per matrix instead of ``2 (n-1)/n * 4 N``. A tensor
+whose gradient is not finite on some rank (an fp16 overflow that GradScaler will skip) is
+summed exactly that step, its residual and factors untouched; the others are compressed as
+usual, so what happens to a tensor never depends on the tensors it was fused with.
 """
 from __future__ import annotations
 
@@ -120,17 +123,24 @@ class PowerSGDCompressor:
             comm.allreduce(buf, "sum")
             return
         xp = array_module(buf)
-        bad = xp.zeros(1, np.uint8)
-        bad[0] = 0 if xp.isfinite(buf).all() else 1
+        # one flag per matrix: a non-finite one (e.g. an fp16 overflow that GradScaler will
+        # skip) is summed exactly and leaves its residual and warm-start factors untouched,
+        # so it cannot poison them; the bucket's other tensors are compressed as usual
+        bad = xp.zeros(len(mats), np.uint8)
+        for i, part in enumerate(mats):
+            bad[i] = xp.logical_not(xp.isfinite(buf[part.lo:part.hi]).all())
         comm.allreduce(bad, "max")
-        if bad[0]:
-            # a non-finite step (e.g. an fp16 overflow that GradScaler will skip) goes dense
-            # and leaves residuals and warm-start factors untouched, so it cannot poison them
+        flags = host_copy(bad)
+        mats = [part for part, f in zip(mats, flags) if not f]
+        if not mats:
             comm.allreduce(buf, "sum")
             return
+        plain = [part for part in parts if part.shape is None] + \
+            [part for part, f in zip([q for q in parts if q.shape is not None], flags) if f]
+        plain.sort(key=lambda part: part.lo)
+        ef_ctx = ctx.only({part.name for part in mats})
         if self.error_feedback:
-            self.memory.add_to(buf, ctx)
-        plain = [p for p in parts if p.shape is None]
+            self.memory.add_to(buf, ef_ctx)
         ms, qs, keys = [], [], []
         for part in mats:
             rows, cols = part.shape
@@ -159,9 +169,7 @@ class PowerSGDCompressor:
         if self.error_feedback:
             for part, m, p, ql in zip(mats, ms, ps, q_locals):
                 buf[part.lo:part.hi] = (m - p @ ql.T).reshape(-1)[:part.hi - part.lo]
-            for part in plain:
-                buf[part.lo:part.hi] = 0.0    # sent exactly
-            self.memory.store(buf, ctx)
+            self.memory.store(buf, ef_ctx)
         for part in plain:
             buf[part.lo:part.hi] = flat[pos:pos + part.hi - part.lo]
             pos += part.hi - part.lo
@@ -177,8 +185,8 @@ class PowerSGDCompressor:
             self.qs.pop(key, None)
 
     def wire_bytes(self, numel: int, nranks: int, ctx: BucketContext | None = None) -> int:
-        """Bytes one rank sends: a 1-byte finiteness check, then two ring allreduces, of
-        [P factors + uncompressed] and of Qs.
+        """Bytes one rank sends (all tensors finite): a finiteness check (1 byte per matrix),
+        then two ring allreduces, of [P factors + uncompressed] and of Qs.
 
         Without ``ctx`` the buffer is taken as one tensor.
         """
@@ -186,7 +194,7 @@ class PowerSGDCompressor:
             return 0
         ctx = ctx or BucketContext(("",), (0,), (numel,))
         parts = self.plan(numel, ctx)
-        first = second = 0
+        first = second = nmats = 0
         for part in parts:
             if part.shape is None:
                 first += part.hi - part.lo
@@ -194,9 +202,10 @@ class PowerSGDCompressor:
                 rows, cols = part.shape
                 r = min(self.rank, rows, cols)
                 first, second = first + rows * r, second + cols * r
+                nmats += 1
         if second == 0:
             return _allreduce_bytes(4 * numel, nranks)
-        return (_allreduce_bytes(1, nranks) + _allreduce_bytes(4 * first, nranks)
+        return (_allreduce_bytes(nmats, nranks) + _allreduce_bytes(4 * first, nranks)
                 + _allreduce_bytes(4 * second, nranks))
 
     def state_dict(self) -> dict[str, Any]:

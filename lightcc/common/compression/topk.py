@@ -1,9 +1,12 @@
 """TopK sparsification with error feedback (Aji & Heafield 2017; Stich et al. 2018).
 
-Each rank adds its residual to the buffer, keeps the ``k = max(1, ceil(ratio * n))`` entries of
-largest magnitude (exactly k; NaN/Inf always among them), and the ranks allgather their
-``(int32 index, float32 value)`` pairs: ``8 k (n-1)`` bytes sent per rank. Every rank
-scatter-adds all pairs, in rank order, into a zeroed buffer, so results are bitwise identical.
+**Per tensor**: each rank adds its residual to the buffer and keeps, of every tensor of the
+bucket (``BucketContext.spans``), the ``k = max(1, ceil(ratio * n))`` entries of largest
+magnitude of that tensor's ``n`` (exactly k; NaN/Inf always among them), so what a tensor sends
+never depends on the tensors it was fused with (fusion depends on timing). The ranks allgather
+their ``(int32 index, float32 value)`` pairs: ``8 (n-1) sum(k)`` bytes sent per rank. Every
+rank scatter-adds all pairs, in rank order, into a zeroed buffer, so results are bitwise
+identical everywhere and each element's sum is taken in the same order whatever the bucket.
 The entries not sent become the new residual (per tensor name, see ``memory.py``). GPU buffers
 use the CUDA selection and scatter-add of ``compression/gpu.py`` (same indices and sums).
 """
@@ -35,21 +38,28 @@ class TopKCompressor:
         self.error_feedback = bool(error_feedback)
         self.memory = ResidualMemory()
         self.name = f"topk:{self.ratio:g}:{'ef' if error_feedback else 'noef'}"
-        self.last_k = 0          # k of the last buffer (for tests and stats)
+        self.last_k = 0          # pairs per rank of the last buffer (sum of its k; stats)
 
     def k_for(self, n: int) -> int:
-        """Entries each rank sends for a buffer of ``n`` elements."""
+        """Entries each rank sends for a tensor of ``n`` elements."""
         return min(n, max(1, math.ceil(self.ratio * n)))
 
-    def compress(self, buf: np.ndarray, ctx: BucketContext) -> tuple[np.ndarray, np.ndarray]:
-        """Add the residual to ``buf``, pick the top k, store the new residual.
+    def ks(self, n: int, ctx: BucketContext) -> list[int]:
+        """Entries each rank sends per tensor of a buffer of ``n`` elements (``ctx.spans``)."""
+        return [self.k_for(hi - lo) for lo, hi, _ in ctx.spans(n)]
 
-        Returns ``(indices int32, values float32)``; ``buf`` is left holding the residual
-        (the accumulated gradient with the sent entries zeroed).
+    def compress(self, buf: np.ndarray, ctx: BucketContext) -> tuple[np.ndarray, np.ndarray]:
+        """Add the residual to ``buf``, pick each tensor's top k, store the new residual.
+
+        Returns ``(indices int32, values float32)`` (ascending positions in ``buf``); ``buf``
+        is left holding the residual (the accumulated gradient with the sent entries zeroed).
         """
         if self.error_feedback:
             self.memory.add_to(buf, ctx)
-        idx = codec_module(buf).topk_indices(buf, self.k_for(buf.size))
+        codecs, xp = codec_module(buf), array_module(buf)
+        picks = [codecs.topk_indices(buf[lo:hi], self.k_for(hi - lo)) + lo
+                 for lo, hi, _ in ctx.spans(buf.size)]
+        idx = picks[0] if len(picks) == 1 else xp.concatenate(picks)
         vals = buf[idx]
         buf[idx] = 0.0
         if self.error_feedback:
@@ -62,7 +72,8 @@ class TopKCompressor:
         return self.error_feedback
 
     def allreduce(self, comm: Communicator, buf: np.ndarray, ctx: BucketContext) -> None:
-        """Sum over ``comm`` of every rank's top-k, in place (a single rank is exact)."""
+        """Sum over ``comm`` of every rank's per-tensor top-k, in place (a single rank is
+        exact)."""
         n, p = buf.size, comm.size
         if p == 1 or n == 0:
             return
@@ -91,11 +102,13 @@ class TopKCompressor:
         self._exchange(comm, idx, vals, bufs, np, sparse)
 
     def _select(self, buf: Any, n: int, ctx: BucketContext) -> tuple[np.ndarray, np.ndarray]:
-        """Error feedback and top-k over a host buffer of ``n`` elements (an array, or its
-        tensors as ``(start, array)``) in one pass, each tensor's residual updated in place."""
+        """Error feedback and each tensor's top-k over a host buffer of ``n`` elements (an
+        array, or its tensors as ``(start, array)``) in one pass per tensor, each tensor's
+        residual updated in place."""
         from ..kernels.sparse import ef_topk
 
-        return ef_topk(buf, self.memory.parts(n, ctx), self.k_for(n))
+        parts = self.memory.parts(n, ctx)
+        return ef_topk(buf, parts, [self.k_for(r.size) for _, r in parts])
 
     def _exchange(self, comm: Communicator, idx: Any, vals: Any, out: Any, xp: Any,
                   codecs: Any) -> None:
@@ -115,9 +128,13 @@ class TopKCompressor:
             codecs.scatter_add(part[:4 * k].view(np.int32), part[4 * k:].view(np.float32), out,
                                **check)
 
-    def wire_bytes(self, numel: int, nranks: int) -> int:
-        """``8 k (nranks - 1)``: k int32 indices and k float32 values to every other rank."""
-        return 0 if nranks <= 1 or numel == 0 else 8 * self.k_for(numel) * (nranks - 1)
+    def wire_bytes(self, numel: int, nranks: int, ctx: BucketContext | None = None) -> int:
+        """``8 (nranks - 1) sum(k)``: each tensor's k int32 indices and k float32 values to
+        every other rank (without ``ctx`` the buffer is one tensor)."""
+        if nranks <= 1 or numel == 0:
+            return 0
+        k = self.k_for(numel) if ctx is None else sum(self.ks(numel, ctx))
+        return 8 * k * (nranks - 1)
 
     def state_dict(self) -> dict[str, Any]:
         return {"residuals": self.memory.state_dict()}

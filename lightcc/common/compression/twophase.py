@@ -16,19 +16,26 @@ rank's chunk while earlier pieces are on the wire; the owner sums piece ``j`` (r
 as soon as all copies of it have arrived, re-encodes it and sends it on while later pieces are
 still arriving. Encoding, decoding and the slow link then overlap, so on a slow network the time
 approaches ``wire bytes / line rate`` instead of ``codec time + wire time``. The bytes on the
-wire and the per-piece arithmetic are those of the unpipelined scheme applied to each piece
-(for ``bucket``-scaled fp8 a piece carries its own scale). Device buffers (CuPy) always use the
-collective scheme, with the codecs' CUDA kernels.
+wire and the per-piece arithmetic are those of the unpipelined scheme applied to each piece.
+Device buffers (CuPy) always use the collective scheme, with the codecs' CUDA kernels.
+
+**Scaled formats (fp8) never cut a scaling block.** A scaled codec has a ``unit`` (elements
+per scale); its blocks start at each tensor's start (``BucketContext.spans``), chunk and piece
+boundaries are moved to the nearest block boundary, and each chunk or piece is coded tensor by
+tensor (:class:`_Layout`). Every block is then quantized alone, by every rank and again by its
+owner after the sum, so a tensor's result does not depend on the tensors it was fused with,
+nor on the number of pieces. Element-wise formats (fp16, bf16) are cut evenly.
 """
 from __future__ import annotations
 
+import bisect
 import time
 from collections import deque
 from typing import Any, Protocol
 
 import numpy as np
 
-from ..backends.base import Communicator, displacements, even_counts, sub_blocks
+from ..backends.base import Communicator, displacements, even_counts
 from ..backends.base import num_pieces as _num_pieces
 from ..algorithms._ops import array_module
 from .base import BucketContext
@@ -71,7 +78,10 @@ class _Phases:
 
 
 class Codec(Protocol):
-    """Encodes a float32 chunk into a fixed number of bytes (a function of its length)."""
+    """Encodes float32 elements of one tensor into a fixed number of bytes (a function of
+    their count); ``unit``: elements per scale, counted from the start (0: element-wise)."""
+
+    unit: int
 
     def nbytes(self, n: int) -> int: ...
 
@@ -92,6 +102,68 @@ class _Arena:
         self.used += nbytes
         assert self.used <= self.buf.size, "arena sized too small"
         return view
+
+
+class _Layout:
+    """Where a buffer may be cut, and how a stretch of it is coded: one codec call for an
+    element-wise codec; for a scaled one, one call per tensor in the stretch, with stretches
+    cut only where a scaling block starts (``unit`` elements from each tensor's start)."""
+
+    def __init__(self, codec: Codec, n: int, ctx: BucketContext | None) -> None:
+        self.codec, self.n = codec, n
+        self.unit = int(getattr(codec, "unit", 0) or 0)
+        spans = ctx.spans(n) if ctx is not None and self.unit else [(0, n, 0)]
+        self.starts = [lo for lo, _, _ in spans]
+        self.ends = [hi for _, hi, _ in spans]
+
+    def snap(self, x: int) -> int:
+        """The block boundary nearest to ``x`` (the lower one on a tie)."""
+        if not self.unit or x <= 0 or x >= self.n:
+            return min(max(x, 0), self.n)
+        i = bisect.bisect_right(self.starts, x) - 1
+        lo, hi = self.starts[i], self.ends[i]
+        down = lo + (x - lo) // self.unit * self.unit
+        up = min(down + self.unit, hi)
+        return down if x - down <= up - x else up
+
+    def split(self, start: int, count: int, parts: int) -> list[int]:
+        """``count`` elements from ``start`` cut into ``parts`` nearly even sizes at block
+        boundaries (some may be 0)."""
+        cuts = [self.snap(start + off) for off in displacements(even_counts(count, parts))]
+        return [b - a for a, b in zip(cuts, cuts[1:] + [start + count])]
+
+    def lengths(self, start: int, count: int) -> list[int]:
+        """Element counts of the codec calls that code ``[start, start + count)``."""
+        if count <= 0:
+            return []
+        if not self.unit:
+            return [count]
+        out, x, end = [], start, start + count
+        i = bisect.bisect_right(self.starts, x) - 1
+        while x < end:
+            hi = min(self.ends[i], end)
+            out.append(hi - x)
+            x, i = hi, i + 1
+        return out
+
+    def nbytes(self, start: int, count: int) -> int:
+        return sum(self.codec.nbytes(m) for m in self.lengths(start, count))
+
+    def encode(self, x: Any, start: int, out: Any) -> None:
+        """Encode ``x`` (the buffer's elements from ``start``) into the payload ``out``."""
+        p = o = 0
+        for m in self.lengths(start, x.size):
+            nb = self.codec.nbytes(m)
+            self.codec.encode_into(x[p:p + m], out[o:o + nb])
+            p, o = p + m, o + nb
+
+    def decode(self, payload: Any, start: int, out: Any, accumulate: bool) -> None:
+        """Decode a payload of the buffer's elements from ``start`` into ``out``."""
+        p = o = 0
+        for m in self.lengths(start, out.size):
+            nb = self.codec.nbytes(m)
+            self.codec.decode_into(payload[o:o + nb], m, out[p:p + m], accumulate)
+            p, o = p + m, o + nb
 
 
 class TwoPhaseCompressor:
@@ -122,52 +194,55 @@ class TwoPhaseCompressor:
         if kept is None or kept.size < arena.buf.size:
             self._spare[arena.xp_name] = arena.buf
 
-    def _sum_into(self, payloads: list[np.ndarray], n: int, acc: np.ndarray) -> None:
+    @staticmethod
+    def _sum_into(lay: _Layout, payloads: list[np.ndarray], start: int, acc: np.ndarray) -> None:
         """``acc`` = the fp32 sum of the decoded payloads, in rank order, from zero."""
         acc.fill(0.0)
         for payload in payloads:
-            self.codec.decode_into(payload, n, acc, True)
+            lay.decode(payload, start, acc, True)
 
     def allreduce(self, comm: Communicator, buf: np.ndarray, ctx: BucketContext) -> None:
         """Sum ``buf`` over ``comm`` in place (a single rank keeps ``buf`` exact)."""
         p, me = comm.size, comm.rank
         if p == 1 or buf.size == 0:
             return
-        counts = even_counts(buf.size, p)
+        lay = _Layout(self.codec, buf.size, ctx)
+        counts = lay.split(0, buf.size, p)
         # device communicators: the collective scheme (NCCL issues point-to-point calls in
         # groups that must match on both sides, which the pipelined exchange does not)
         k = 1 if comm.is_device else num_pieces(max(counts))
         if k > 1:
-            self._pipelined(comm, buf, counts, k)
+            self._pipelined(comm, buf, lay, counts, k)
             return
         starts = displacements(counts)
-        enc = [self.codec.nbytes(c) for c in counts]
+        enc = [lay.nbytes(a, c) for a, c in zip(starts, counts)]
         estarts = displacements(enc)
         mine, c = enc[me], counts[me]
         arena = self._arena(sum(enc) + mine * (p + 1), array_module(buf))
         phases = _Phases(comm, self.name)
         send = arena.take(sum(enc))
         for r in range(p):
-            self.codec.encode_into(buf[starts[r]:starts[r] + counts[r]],
-                                   send[estarts[r]:estarts[r] + enc[r]])
+            lay.encode(buf[starts[r]:starts[r] + counts[r]], starts[r],
+                       send[estarts[r]:estarts[r] + enc[r]])
         phases.span("COMPRESS")
         recv = arena.take(mine * p)
         comm.alltoallv(send, enc, recv, [mine] * p)
         phases.start()
         acc = buf[starts[me]:starts[me] + c]      # encoded above: free to sum into
-        self._sum_into([recv[s * mine:(s + 1) * mine] for s in range(p)], c, acc)
+        self._sum_into(lay, [recv[s * mine:(s + 1) * mine] for s in range(p)], starts[me], acc)
         own = arena.take(mine)
-        self.codec.encode_into(acc, own)
+        lay.encode(acc, starts[me], own)
         phases.span("DECOMPRESS_ACCUMULATE_RECOMPRESS")
         comm.allgatherv(own, send, enc)
         phases.start()
         for r in range(p):
-            self.codec.decode_into(send[estarts[r]:estarts[r] + enc[r]], counts[r],
-                                   buf[starts[r]:starts[r] + counts[r]], False)
+            lay.decode(send[estarts[r]:estarts[r] + enc[r]], starts[r],
+                       buf[starts[r]:starts[r] + counts[r]], False)
         phases.span("DECOMPRESS")
         self._keep(arena)
 
-    def _pipelined(self, comm: Communicator, buf: np.ndarray, counts: list[int], k: int) -> None:
+    def _pipelined(self, comm: Communicator, buf: np.ndarray, lay: _Layout, counts: list[int],
+                   k: int) -> None:
         """Both phases per piece over point-to-point calls (see module docstring).
 
         Every receive is posted first. Then, piece by piece: encode and send piece j of every
@@ -176,9 +251,11 @@ class TwoPhaseCompressor:
         rest of my pieces, and while none is complete, decode the sums of other ranks' pieces
         that have arrived: work that feeds the wire goes first, the codecs run while it is busy.
         """
-        p, me, codec = comm.size, comm.rank, self.codec
-        sizes, starts = sub_blocks(counts, k)
-        nb = [[codec.nbytes(n) for n in row] for row in sizes]
+        p, me = comm.size, comm.rank
+        sizes = [lay.split(a, c, k) for a, c in zip(displacements(counts), counts)]
+        starts = [displacements(row) for row in sizes]
+        starts = [[a + off for off in row] for a, row in zip(displacements(counts), starts)]
+        nb = [[lay.nbytes(a, m) for a, m in zip(srow, row)] for srow, row in zip(starts, sizes)]
         others = [(me + d) % p for d in range(1, p)]
         # sends and receives of every piece once, plus p copies of my pieces and their sums
         arena = self._arena(2 * sum(map(sum, nb)) + (p - 1) * sum(nb[me]))
@@ -206,11 +283,11 @@ class TwoPhaseCompressor:
             n = sizes[me][j]
             if n:
                 acc = piece(me, j)            # my copy is encoded: sum in place
-                self._sum_into(copies[j], n, acc)
+                self._sum_into(lay, copies[j], starts[me][j], acc)
                 out = arena.take(nb[me][j])
-                codec.encode_into(acc, out)
+                lay.encode(acc, starts[me][j], out)
                 sends.extend(comm.isend(out, r, tag=k + j) for r in others)
-                codec.decode_into(out, n, acc, False)
+                lay.decode(out, starts[me][j], acc, False)
 
         def decode_next(block: bool) -> bool:
             """Decode the next sum of another rank's piece if it has arrived (or wait for it)."""
@@ -218,17 +295,17 @@ class TwoPhaseCompressor:
                 return False
             r, j, b, req = phase2.popleft()
             req.wait()
-            codec.decode_into(b, sizes[r][j], piece(r, j), False)
+            lay.decode(b, starts[r][j], piece(r, j), False)
             return True
 
         for j in range(k):
             for r in others:
                 if sizes[r][j]:
                     e = arena.take(nb[r][j])
-                    codec.encode_into(piece(r, j), e)
+                    lay.encode(piece(r, j), starts[r][j], e)
                     sends.append(comm.isend(e, r, tag=j))
             if sizes[me][j]:
-                codec.encode_into(piece(me, j), copies[j][me])
+                lay.encode(piece(me, j), starts[me][j], copies[j][me])
             while done <= j and all(req.test() for req in phase1[done]):
                 finish_piece(done)
                 done += 1
@@ -252,26 +329,32 @@ class TwoPhaseCompressor:
         phases.span("PIPELINED_ACCUMULATE_DECOMPRESS", pieces=k)
         self._keep(arena)
 
-    def rank_wire_bytes(self, numel: int, nranks: int, rank: int) -> int:
-        """Bytes rank ``rank`` sends (alltoall to the others + allgather of its chunk)."""
+    def rank_wire_bytes(self, numel: int, nranks: int, rank: int,
+                        ctx: BucketContext | None = None) -> int:
+        """Bytes rank ``rank`` sends (alltoall to the others + allgather of its chunk); the
+        buffer's tensors are ``ctx``'s (without it, one tensor)."""
         if nranks <= 1:
             return 0
-        enc = self._encoded_chunks(numel, nranks)
+        enc = self._encoded_chunks(numel, nranks, ctx)
         return sum(enc) - enc[rank] + (nranks - 1) * enc[rank]
 
-    def wire_bytes(self, numel: int, nranks: int) -> int:
+    def wire_bytes(self, numel: int, nranks: int, ctx: BucketContext | None = None) -> int:
         """Mean bytes one rank sends: ``2 (n-1)/n * T`` (rounded down)."""
         if nranks <= 1:
             return 0
-        return 2 * (nranks - 1) * sum(self._encoded_chunks(numel, nranks)) // nranks
+        return 2 * (nranks - 1) * sum(self._encoded_chunks(numel, nranks, ctx)) // nranks
 
-    def _encoded_chunks(self, numel: int, nranks: int) -> list[int]:
+    def _encoded_chunks(self, numel: int, nranks: int, ctx: BucketContext | None) -> list[int]:
         """Encoded bytes of each rank's chunk (summed over its pieces when pipelined)."""
-        counts = even_counts(numel, nranks)
+        lay = _Layout(self.codec, numel, ctx)
+        counts = lay.split(0, numel, nranks)
         k = num_pieces(max(counts))
-        if k == 1:
-            return [self.codec.nbytes(c) for c in counts]
-        return [sum(self.codec.nbytes(x) for x in even_counts(c, k)) for c in counts]
+        out = []
+        for a, c in zip(displacements(counts), counts):
+            sizes = lay.split(a, c, k) if k > 1 else [c]
+            out.append(sum(lay.nbytes(s, m) for s, m in zip(
+                [a + off for off in displacements(sizes)], sizes)))
+        return out
 
     def state_dict(self) -> dict[str, Any]:
         return {}

@@ -2,8 +2,9 @@
 
 Checks, per compressor and buffer size: result == simulation (bitwise for fp16/bf16/fp8/topk,
 1e-4 relative for PowerSGD), all ranks bitwise identical, bytes counted by the backend ==
-the compressor's wire-byte formula, TopK sends exactly k, error feedback over several steps,
-no NaN/Inf from finite extreme inputs, NaN/Inf propagate, fp16/bf16 independent of fusion.
+the compressor's wire-byte formula, TopK sends exactly each tensor's k, error feedback over
+several steps, no NaN/Inf from finite extreme inputs, NaN/Inf propagate, fp16/bf16
+independent of fusion.
 Exits non-zero on the first failure.
 """
 from __future__ import annotations
@@ -88,16 +89,16 @@ def run(comp, buf: np.ndarray, ctx: BucketContext) -> int:
     return comm.stats.bytes_sent - before
 
 
-def check_bytes(comp, n: int, sent: int, what: str) -> None:
+def check_bytes(comp, n: int, sent: int, what: str, ctx: BucketContext) -> None:
     global checks
     checks += 1
-    want = comp.rank_wire_bytes(n, P, ME) if hasattr(comp, "rank_wire_bytes") else \
-        comp.wire_bytes(n, P)
+    want = comp.rank_wire_bytes(n, P, ME, ctx) if hasattr(comp, "rank_wire_bytes") else \
+        comp.wire_bytes(n, P, ctx)
     if sent != want:
         fail(f"{what}: backend counted {sent} bytes sent, formula says {want}")
     total = MPI.COMM_WORLD.allreduce(sent)
-    if total // P != comp.wire_bytes(n, P):
-        fail(f"{what}: mean bytes {total // P} != wire_bytes {comp.wire_bytes(n, P)}")
+    if total // P != comp.wire_bytes(n, P, ctx):
+        fail(f"{what}: mean bytes {total // P} != wire_bytes {comp.wire_bytes(n, P, ctx)}")
 
 
 FP_SPECS = {"fp16": ("fp16", None), "bf16": ("bf16", None), "fp8": ("e4m3", "bucket"),
@@ -114,12 +115,13 @@ def test_fp() -> None:
             for n in sizes:
                 xs = inputs_for(kind, n, 1)
                 buf = xs[ME].copy()
-                sent = run(comp, buf, ctx_for(n))
+                ctx = ctx_for(n)
+                sent = run(comp, buf, ctx)
                 what = f"{spec} {kind} n={n}"
-                want = sim.twophase(xs, fmt, scaling, block)
+                want = sim.twophase(xs, fmt, scaling, block, ctx.sizes)
                 bitwise_equal(buf, want, what)
                 same_on_all_ranks(buf, what)
-                check_bytes(comp, n, sent, what)
+                check_bytes(comp, n, sent, what, ctx)
                 if kind == "extreme" and not np.isfinite(buf).all():
                     fail(f"{what}: non-finite output from finite input")
                 if kind == "nonfinite" and n >= 7:
@@ -127,8 +129,9 @@ def test_fp() -> None:
                         bad = ~np.isfinite(sum(x.astype(np.float64) for x in xs))
                     if np.isfinite(buf[bad]).any():
                         fail(f"{what}: NaN/Inf in the input did not propagate")
-    # pipelined scheme (chunks above PIECE_BYTES): pieces quantized on their own, still bitwise
-    # equal to the simulation; 2 pieces, an uneven split, and the MAX_PIECES cap
+    # pipelined scheme (chunks above PIECE_BYTES): pieces never cut a scaling block, so the
+    # result is the simulation's, bit for bit; 2 pieces, an uneven split, the MAX_PIECES cap,
+    # a tensor of several 64 Ki bucket-scaling blocks
     from lightcc.common.compression import twophase
     saved = twophase.PIECE_BYTES
     twophase.PIECE_BYTES = 4096
@@ -141,22 +144,25 @@ def test_fp() -> None:
                             ("normal", P * 70_000)):
                 xs = inputs_for(kind, n, 3)
                 buf = xs[ME].copy()
-                sent = run(comp, buf, ctx_for(n))
+                ctx = ctx_for(n)
+                sent = run(comp, buf, ctx)
                 what = f"pipelined {spec} {kind} n={n}"
-                bitwise_equal(buf, sim.twophase(xs, fmt, scaling, block, piece_bytes=4096), what)
+                bitwise_equal(buf, sim.twophase(xs, fmt, scaling, block, ctx.sizes), what)
                 same_on_all_ranks(buf, what)
-                check_bytes(comp, n, sent, what)
+                check_bytes(comp, n, sent, what, ctx)
     finally:
         twophase.PIECE_BYTES = saved
-    # fp16/bf16 are element-wise: fusing two tensors or not gives the same bits
-    for spec in ("fp16", "bf16"):
-        comp = compression.make(spec)
+    # a tensor's result does not depend on its bucket: fusing two tensors or not gives the
+    # same bits (fp16/bf16 are element-wise; fp8 scales and TopK's k are per tensor)
+    for spec in ("fp16", "bf16", "fp8", "fp8:e4m3:block:64", "topk", "topk:0.05:noef"):
         xs = inputs_for("normal", 3001, 2)
+        xs[ME][1200:] *= 1e-3                   # tensors of different magnitudes
         fused = xs[ME].copy()
-        comp.allreduce(comm, fused, ctx_for(3001))
+        compression.make(spec).allreduce(
+            comm, fused, BucketContext(("a", "b"), (0, 1200), (1200, 1801)))
         a, b = xs[ME][:1200].copy(), xs[ME][1200:].copy()
-        comp.allreduce(comm, a, ctx_for(1200))
-        comp.allreduce(comm, b, ctx_for(1801))
+        compression.make(spec).allreduce(comm, a, BucketContext(("a",), (0,), (1200,)))
+        compression.make(spec).allreduce(comm, b, BucketContext(("b",), (0,), (1801,)))
         bitwise_equal(fused, np.concatenate([a, b]), f"{spec} fused vs unfused")
 
 
@@ -171,12 +177,13 @@ def test_topk() -> None:
                 buf = xs[ME].copy()
                 ctx = ctx_for(n, step)
                 sent = run(comp, buf, ctx)
-                want, new_res, k = sim.topk_step(xs, res if ef else None, ratio)
+                want, new_res, k = sim.topk_step(xs, res if ef else None, ratio,
+                                                 tuple(s for s in ctx.sizes if s))
                 res = new_res
                 what = f"{spec} n={n} step={step}"
                 bitwise_equal(buf, want, what)
                 same_on_all_ranks(buf, what)
-                check_bytes(comp, n, sent, what)
+                check_bytes(comp, n, sent, what, ctx)
                 if comp.last_k != k or sent != 8 * k * (P - 1):
                     fail(f"{what}: sent k={comp.last_k} ({sent} bytes), expected k={k}")
                 if ef:
@@ -241,7 +248,7 @@ def test_powersgd() -> None:
     sent = run(comp, buf, ctx_for(10))   # too small to gain: uncompressed sum
     if not np.array_equal(buf, np.full(10, P, np.float32)):
         fail(f"powersgd small bucket: got {buf}")
-    check_bytes(comp, 10, sent, "powersgd small bucket")
+    check_bytes(comp, 10, sent, "powersgd small bucket", ctx_for(10))
 
 
 timings = {}

@@ -44,27 +44,36 @@ def quant_dequant(x: np.ndarray, fmt: str, scaling: str | None, block: int) -> n
     return v.astype(np.float32)
 
 
+BUCKET_UNIT = 1 << 16     # elements per scale of "bucket"-scaled fp8 (docs/compression.md)
+
+
 def twophase(inputs: list[np.ndarray], fmt: str, scaling: str | None = None,
-             block: int = 256, piece_bytes: int | None = None) -> np.ndarray:
+             block: int = 256, sizes: tuple[int, ...] | None = None) -> np.ndarray:
     """Sum of ``inputs`` as reduce-scatter + allgather in the compressed format.
 
-    With ``piece_bytes`` every rank's chunk is cut into ``ceil(4 * largest chunk / piece_bytes)``
-    (at most 64) pieces, each quantized on its own (the pipelined scheme).
+    Every rank quantizes each scaling block on its own (``block`` elements for block
+    scaling, 64 Ki for bucket scaling, counted from the start of each tensor of ``sizes``;
+    element-wise formats have no blocks); the owner sums the dequantized copies in rank
+    order in fp32 and quantizes the sum again with the block's own scale. Chunks and pieces
+    never cut a block, so how the buffer is shared among the ranks does not change the result.
     """
-    p = len(inputs)
-    k = 1
-    if piece_bytes:
-        k = max(1, min(64, -(-4 * -(-inputs[0].size // p) // piece_bytes)))
-    out = []
-    for r, _ in enumerate(np.array_split(inputs[0], p)):
-        for j in range(k):
-            chunks = [np.array_split(np.array_split(x, p)[r], k)[j] for x in inputs]
-            acc = np.zeros(chunks[0].size, np.float32)
-            for c in chunks:
+    n = inputs[0].size
+    sizes = sizes or (n,)
+    unit = None if scaling is None else (block if scaling == "block" else BUCKET_UNIT)
+    out = np.empty(n, np.float32)
+    start = 0
+    for size in sizes:
+        step = unit or max(size, 1)
+        for lo in range(start, start + size, step):
+            hi = min(lo + step, start + size)
+            acc = np.zeros(hi - lo, np.float32)
+            for x in inputs:
                 with np.errstate(invalid="ignore", over="ignore"):
-                    acc = (acc + quant_dequant(c, fmt, scaling, block)).astype(np.float32)
-            out.append(quant_dequant(acc, fmt, scaling, block))
-    return np.concatenate(out)
+                    acc = (acc + quant_dequant(x[lo:hi], fmt, scaling and "block", hi - lo)
+                           ).astype(np.float32)
+            out[lo:hi] = quant_dequant(acc, fmt, scaling and "block", hi - lo)
+        start += size
+    return out
 
 
 def topk_select(acc: np.ndarray, k: int) -> np.ndarray:
@@ -75,21 +84,28 @@ def topk_select(acc: np.ndarray, k: int) -> np.ndarray:
     return np.sort(order[:k])
 
 
-def topk_step(inputs: list[np.ndarray], residuals: list[np.ndarray] | None, ratio: float):
-    """One TopK step for every rank: (summed result, new residuals, k)."""
+def topk_step(inputs: list[np.ndarray], residuals: list[np.ndarray] | None, ratio: float,
+              sizes: tuple[int, ...] | None = None):
+    """One TopK step for every rank, each tensor of ``sizes`` (default: one) on its own:
+    (summed result, new residuals, pairs each rank sends)."""
     n = inputs[0].size
-    k = min(n, max(1, math.ceil(ratio * n)))
+    sizes = sizes or (n,)
     out = np.zeros(n, np.float32)
     new_res = []
     for i, x in enumerate(inputs):
         acc = x.astype(np.float32) + (residuals[i] if residuals is not None else 0)
         acc = acc.astype(np.float32)
-        idx = topk_select(acc, k)
-        out[idx] += acc[idx]
         res = acc.copy()
-        res[idx] = 0
+        start = 0
+        for size in sizes:
+            k = min(size, max(1, math.ceil(ratio * size)))
+            idx = start + topk_select(acc[start:start + size], k)
+            out[idx] += acc[idx]
+            res[idx] = 0
+            start += size
         new_res.append(res)
-    return out, new_res, k
+    total = sum(min(s, max(1, math.ceil(ratio * s))) for s in sizes)
+    return out, new_res, total
 
 
 def powersgd_step(inputs, residuals, qs, rank, tensors):
