@@ -58,6 +58,10 @@ class ResponseCache:
             self._by_request[resp.request_of(my_index)] = new_id
         return new_id
 
+    def id_of(self, key: tuple) -> int:
+        """The current id of a key ``(collective type, process set, name)``, or -1."""
+        return self._by_key.get(key, -1)
+
     def lookup(self, req: Request) -> int:
         """The id of a cached response this exact request matches, or -1."""
         return self._by_request.get(req, -1)

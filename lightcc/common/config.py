@@ -182,9 +182,17 @@ KNOBS: tuple[Knob, ...] = (
     Knob("autotune_cache", "LCC_AUTOTUNE_CACHE", _parse_str, "", "path",
          "Autotuner result cache (default: ~/.cache/lightcc/autotune.json).", ),
     Knob("control_addr", "LCC_CONTROL_ADDR", _parse_str, "", "",
-         "Address, host name or network interface of rank 0's host that the other ranks "
-         "connect to for lightcc's control messages (TCP). Default: loopback on rank 0's host, "
-         "else every address of rank 0's interfaces in turn."),
+         "Address, host name or network interface that ranks connect to for lightcc's "
+         "control messages (TCP, a tree rooted at rank 0: LCC_CONTROL_FANOUT). An interface "
+         "name applies on every host (each relay advertises its address there); an address or "
+         "host name names rank 0's host. Default: loopback between ranks of one host, else "
+         "every address of the relay's interfaces in turn."),
+    Knob("control_fanout", "LCC_CONTROL_FANOUT", _parse_int, 4, "ranks",
+         "Children per rank in the tree of TCP connections that carries lightcc's control "
+         "messages, rooted at rank 0. In the steady state the ranks agree on cached requests "
+         "in bit vectors on the way up, so no rank handles more than this many connections "
+         "and reports per step; a job of up to this + 1 ranks is a star around rank 0.",
+         _min(1)),
     Knob("shutdown_timeout", "LCC_SHUTDOWN_TIMEOUT", _parse_float, 30.0, "s",
          "How long shutdown() waits for the background thread before giving up.", _min(0.0)),
 )
@@ -224,6 +232,7 @@ class Config:
     autotune_log: str
     autotune_cache: str
     control_addr: str
+    control_fanout: int
     shutdown_timeout: float
 
     def replace(self, **changes: Any) -> "Config":

@@ -1,35 +1,48 @@
-"""Negotiation as pure logic: requests from all ranks -> ordered responses.
+"""Negotiation as pure logic: what every rank reported -> ordered responses.
 
-The :class:`Coordinator` runs on rank 0 inside the engine but does no communication: the engine
-feeds it each rank's :class:`~.messages.RankMessage` and asks :meth:`Coordinator.tick` for the
-next :class:`~.messages.Batch`. It decides which tensors are ready on every rank, validates that
-the ranks agree (shape, dtype, op, root, scale factors, compressor, collective type), holds small
-ready tensors up to the cycle time while others are still arriving (so they can be fused),
-reports stalls, and tracks join() and process sets. Unit-tested without MPI.
+The :class:`Coordinator` runs on rank 0 inside the engine but does no communication. It decides
+which collectives are ready on every rank, validates that the ranks agree (shape, dtype, op,
+root, scale factors, compressor, collective type), holds small ready tensors up to the cycle
+time while others are still arriving (so they can be fused), reports stalls, and tracks join()
+and process sets; :meth:`Coordinator.tick` returns the next :class:`~.messages.Batch`.
+Unit-tested without MPI.
+
+It hears about requests in two ways (negotiation.py has the control tree):
+
+- **complete, from the tree** (:meth:`Coordinator.take`): response-cache ids every member
+  reported, and ordered positions, agreed in bit vectors on the way up. The steady state: the
+  work here is per tensor, not per (rank, tensor) pair.
+- **rank by rank**: :meth:`Coordinator.receive` takes one rank's
+  :class:`~.messages.RankMessage` (new and changed requests, joins, shutdowns, everything in
+  the slow mode), and the tree's *details* say which ranks reported a demoted id or position.
+  While such a request is incomplete and others may have reported it in bit vectors, the next
+  batch demotes it (``Batch.demote``) so that every node reports it rank by rank too.
 
 Two ways to match requests across ranks:
 
 - **by name** (Horovod's model): key ``(collective type, process set, name)``; ranks may submit
   in any order. A request already agreed on travels as its response-cache id.
 - **by position** on an *ordered stream* (torch.distributed's model, and Horovod's unnamed
-  collectives): key ``(ORDERED, process set, stream, seq)``, where ``seq`` counts a rank's
-  requests on that stream. No names are needed; a request whose signature was agreed before
-  travels as its signature-cache id.
+  collectives): key ``(ORDERED, process set, stream, seq)``, where ``seq`` is the request's
+  position on its stream. No names are needed; a request whose signature was agreed before
+  travels as its signature-cache id. Positions of a stream are answered in order.
 
 The work per message and per tick is proportional to what arrived and what became ready, not to
-everything pending: readiness is tracked as requests arrive, and the scan for stalls, departed
-ranks and joins runs at most once a second (or when a rank joins or leaves).
+everything pending: readiness is tracked as requests arrive, ranks are looked up in dicts, and
+the scan for stalls, departed ranks and joins runs at most once a second (or when a rank joins
+or leaves).
 """
 from __future__ import annotations
 
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
 from .cache import ResponseCache, SignatureCache
-from .messages import (COLL_NAMES, ORDERED, Batch, Coll, OrderedItem, RankMessage, Request,
-                       Response)
+from .messages import (COLL_NAMES, ORDERED, Batch, Coll, OrderedItem, RankMessage, Report,
+                       Request, Response)
+from .negotiation import bits, members_in
 
 #: What works while some ranks have called join() (they contribute zeros to an allreduce), as
 #: in Horovod; allgather, broadcast, alltoall and reducescatter fail with an error instead.
@@ -44,6 +57,7 @@ class _Pending:
     ids: dict[int, int] = field(default_factory=dict)
     warned_at: float = -math.inf
     ready_at: float | None = None
+    demoted: bool = False        # the tree was asked to report it rank by rank
 
 
 def _fmt_ranks(ranks) -> str:
@@ -70,24 +84,39 @@ class Coordinator:
         self.stall_shutdown = stall_shutdown
         self.clock = clock
         self.psets: dict[int, tuple[int, ...]] = {0: tuple(range(size))}
+        self._where: dict[int, dict[int, int]] = {0: {r: r for r in range(size)}}
+        self._sorted: dict[int, tuple[int, ...]] = {0: self.psets[0]}
         self._next_pset = 1
         self.pending: dict[tuple, _Pending] = {}
         self.joined: list[int] = []
         self.gone: set[int] = set()
         self.lost: set[int] = set()          # gone without a shutdown message (exited, died)
+        self.newly_lost: list[int] = []      # lost since the engine last logged them
         self._gone_sent = 0                  # how many gone ranks the last batch announced
+        self._joined_sent: tuple[int, ...] = ()
         self.pending_settings: dict = {}
         self.warnings: list[str] = []
-        self._ready: dict[tuple, None] = {}          # complete keys, in completion order
+        #: complete keys in completion order -> a cache id (agreed in the tree), an
+        #: OrderedItem (ordered: agreed in the tree, or an error), or a _Pending to validate
+        self._ready: dict[tuple, Any] = {}
+        self._ready_since = 0.0                       # when _ready became non-empty
         self._ready_bytes = 0
         self._ready_urgent = False                    # a ready non-allreduce: flush at once
+        self._open = 0                                # pending entries not complete yet
         self._names: dict[tuple[int, str], set[int]] = {}   # (pset, name) -> pending types
         self._suspects: set[tuple[int, str]] = set()        # names pending under 2+ types
-        self._next_seq: dict[tuple[int, int, int], int] = {}  # (rank, pset, stream) -> seq
+        self._next_pos: dict[tuple[int, int], int] = {}     # (pset, stream) -> next seq
+        self._parked: dict[tuple[int, int], dict[int, Any]] = {}   # complete, out of order
+        self._undemoted: set[tuple] = set()
+        self._slow_sent = False              # the last batch put the ranks in the slow mode
+        self._info: dict[int, tuple] = {}    # cache id -> (key, nbytes, allreduce?)
+        self.partial: Callable[[], bool] = lambda: False   # rank 0's node has partial state
+        self.fast_keys = 0                   # keys agreed in the tree (statistics)
+        self.slow_pairs = 0                  # (rank, request) pairs handled one by one
         self._rescan = False
         self._next_scan = -math.inf
 
-    # -- input ------------------------------------------------------------------------------
+    # -- input: rank by rank ----------------------------------------------------------------
     def receive(self, rank: int, msg: RankMessage) -> None:
         """Record what ``rank`` submitted (cache ids are expanded to its full requests)."""
         now = self.clock()
@@ -97,10 +126,9 @@ class Coordinator:
                       None)
         for req in msg.requests:
             self._add(rank, req, -1, now, None)
-        for pset, stream, payload in msg.ordered:
-            k = (rank, pset, stream)
-            seq = self._next_seq.get(k, 0)
-            self._next_seq[k] = seq + 1
+        for pset, stream, seq, payload in msg.ordered:
+            if seq < self._next_pos.get((pset, stream), 0):
+                continue            # that position was decided without it (a late report)
             key = (ORDERED, pset, stream, seq)
             if isinstance(payload, int):
                 resp = self.sigcache.get(payload)
@@ -116,13 +144,75 @@ class Coordinator:
         if rank not in self.gone:
             self.lost.add(rank)
             self.gone.add(rank)
+            self.newly_lost.append(rank)
             self._rescan = True
 
+    # -- input: from the control tree -------------------------------------------------------
+    def take(self, rep: Report) -> None:
+        """What rank 0's node collected: relayed messages, details, lost ranks, then what the
+        tree agreed on (in this order: see negotiation.py)."""
+        for rank, data in rep.slow:
+            self.receive(rank, RankMessage.decode(data))
+        for cid, ranges, age in rep.named_details:
+            resp = self.cache.get(cid)
+            self._expand(resp, ranges, cid, age, None)
+        for pset, stream, seq, parts, age in rep.ordered_details:
+            self._ordered_parts(pset, stream, seq, parts, age)
+        for rank in rep.lost:
+            self.lose(rank)
+        if rep.named:
+            self._complete_named(rep.named)
+        for pset, stream, seq, value in rep.ordered:
+            if type(value) is int:
+                if seq >= self._next_pos.get((pset, stream), 0):
+                    self.fast_keys += 1
+                    resp = self.sigcache.get(value)
+                    self._enqueue((ORDERED, pset, stream, seq), OrderedItem(pset, stream, value),
+                                  resp.request)
+            else:
+                self._ordered_parts(pset, stream, seq, value, 0.0)
+
+    def _complete_named(self, done: int) -> None:
+        info = self._info
+        for cid in bits(done):
+            got = info.get(cid)
+            if got is None:
+                req = self.cache.get(cid).request
+                got = info[cid] = (req.key, req.nbytes, req.coll == Coll.ALLREDUCE)
+            key, nbytes, allreduce = got
+            if not self._ready:
+                self._ready_since = self.clock()
+            self._ready[key] = cid
+            if allreduce:
+                self._ready_bytes += nbytes
+            else:
+                self._ready_urgent = True
+        self.fast_keys += done.bit_count()
+
+    def _ordered_parts(self, pset: int, stream: int, seq: int, parts: tuple, age: float) -> None:
+        if seq < self._next_pos.get((pset, stream), 0):
+            return
+        key = (ORDERED, pset, stream, seq)
+        for lo, hi, sid in parts:
+            self._expand(self.sigcache.get(sid), ((lo, hi),), sid, age, key)
+
+    def _expand(self, resp: Response, ranges, cid: int, age: float, key: tuple | None) -> None:
+        """Every member of the response's set in ``ranges`` reported it (as id ``cid``)."""
+        pset = resp.request.pset
+        where = self._where.get(pset)
+        if where is None:
+            return
+        now = self.clock() - age
+        for lo, hi in ranges:
+            for r in members_in(self._sorted[pset], lo, hi):
+                self._add(r, resp.request_of(where[r]), cid, now, key)
+
     def _index(self, pset: int, rank: int) -> int:
-        members = self.psets.get(pset, ())
-        return members.index(rank) if rank in members else 0
+        where = self._where.get(pset)
+        return where.get(rank, 0) if where is not None else 0
 
     def _add(self, rank: int, req: Request, cid: int, now: float, key: tuple | None) -> None:
+        self.slow_pairs += 1
         if req.coll == Coll.JOIN:
             if rank not in self.joined:
                 self.joined.append(rank)
@@ -138,23 +228,54 @@ class Coordinator:
         entry = self.pending.get(key)
         if entry is None:
             entry = self.pending[key] = _Pending(first_seen=now)
+            self._open += 1
+            self._undemoted.add(key)
+        elif now < entry.first_seen:
+            entry.first_seen = now
         entry.reqs[rank] = req
         if cid >= 0:
             entry.ids[rank] = cid
         if entry.ready_at is None:
+            size = len(self.psets.get(key[1], ()))
             if self.joined or self.gone:
-                if not self._missing(key, entry)[0]:
+                if len(entry.reqs) + len(self.joined) >= size and \
+                        not self._missing(key, entry)[0]:
                     self._mark_ready(key, entry, now)
-            elif len(entry.reqs) == len(self.psets.get(key[1], ())):
+            elif len(entry.reqs) == size:
                 self._mark_ready(key, entry, now)
 
     def _mark_ready(self, key: tuple, entry: _Pending, now: float) -> None:
         if self.gone and self._missing(key, entry)[1]:
             return       # a member shut down: the scan turns it into an error
         entry.ready_at = now
-        self._ready[key] = None
-        req = next(iter(entry.reqs.values()))
-        if req.coll == Coll.ALLREDUCE:
+        self._open -= 1
+        self._enqueue(key, entry, next(iter(entry.reqs.values())))
+
+    def _enqueue(self, key: tuple, payload: Any, req: Request) -> None:
+        """Make ``key`` ready; ordered positions wait for the earlier ones of their stream."""
+        if _is_ordered(key):
+            stream = key[1:3]
+            nxt = self._next_pos.get(stream, 0)
+            if key[3] != nxt:
+                self._parked.setdefault(stream, {})[key[3]] = (payload, req)
+                return
+            self._push(key, payload, req)
+            parked = self._parked.get(stream)
+            nxt += 1
+            while parked and nxt in parked:
+                self._push((ORDERED, *stream, nxt), *parked.pop(nxt))
+                nxt += 1
+            self._next_pos[stream] = nxt
+        else:
+            self._push(key, payload, req)
+
+    def _push(self, key: tuple, payload: Any, req: Request) -> None:
+        if not self._ready:
+            self._ready_since = self.clock()
+        self._ready[key] = payload
+        if isinstance(payload, OrderedItem) and isinstance(payload.payload, Response):
+            self._ready_urgent = True          # an error: deliver it now
+        elif req.coll == Coll.ALLREDUCE:
             self._ready_bytes += req.nbytes
         else:
             self._ready_urgent = True
@@ -177,10 +298,9 @@ class Coordinator:
         now = self.clock()
         wait = self._next_scan - now if self.pending else math.inf
         if self._ready:
-            first = self.pending.get(next(iter(self._ready)))
-            if first is not None and first.ready_at is not None:
-                wait = min(wait, first.ready_at + self.cycle_time - now)
-        if self._rescan or self._suspects or self.pending_settings:
+            wait = min(wait, self._ready_since + self.cycle_time - now)
+        if self._rescan or self._suspects or self.pending_settings or \
+                (self._undemoted and not self._slow_sent):
             wait = 0.0
         return max(wait, 0.0)
 
@@ -191,44 +311,81 @@ class Coordinator:
         errors: list = self._type_mismatches() if self._suspects else []
         if self._rescan or now >= self._next_scan:
             self._scan(now, errors)
-        for item in errors:
-            key = self._error_key(item)
+        items: list = []
+        for key, resp in errors:
             entry = self.pending.pop(key, None)
-            if entry is not None and entry.ready_at is not None:
+            if entry is None:
+                continue
+            if entry.ready_at is None:
+                self._open -= 1
+            else:
                 self._unready(key, entry)
-        items: list = [self._error_item(e) for e in errors]
+            self._forget_name(key)
+            if _is_ordered(key):
+                self._enqueue(key, OrderedItem(key[1], key[2], resp), resp.request)
+            else:
+                items.append(resp)
         batch_joined = tuple(sorted(self.joined))
-        if self._ready and (len(self._ready) == len(self.pending) or self._must_flush(now)):
-            ready = list(self._ready)
-            self._ready.clear()
+        if self._ready and ((not self._open and not self.partial()) or self._must_flush(now)):
+            ready, self._ready = self._ready, {}
             self._ready_bytes = 0
             self._ready_urgent = False
-            for key in ready:
-                items.append(self._respond(key, self.pending.pop(key), batch_joined))
+            for key, payload in ready.items():
+                items.append(self._respond(key, payload, batch_joined))
         alive = set(range(self.size)) - self.gone
         if self.joined and alive <= set(self.joined):
             items.append(Response(Request(Coll.JOIN, "join"), value=self.joined[-1]))
             self.joined = []
             self._rescan = True
-        gone_news = len(self.gone) != self._gone_sent
-        if not items and not self.pending_settings and not gone_news:
+        demote, demote_ordered = self._demotions()
+        news = len(self.gone) != self._gone_sent or batch_joined != self._joined_sent
+        if not (items or self.pending_settings or news or demote or demote_ordered):
             return None
         self._gone_sent = len(self.gone)
+        self._joined_sent = batch_joined
         batch = Batch(items=items, joined=batch_joined, settings=self.pending_settings,
-                      gone=tuple(sorted(self.gone)))
+                      gone=tuple(sorted(self.gone)), demote=demote,
+                      demote_ordered=demote_ordered)
+        slow = bool(batch_joined or self.gone)
+        if self._slow_sent and not slow:    # back to bit vectors: ask for the rest in detail
+            self._undemoted = {k for k, e in self.pending.items() if not e.demoted}
+        self._slow_sent = slow
         self.pending_settings = {}
         return batch
 
+    def _demotions(self) -> tuple[tuple[int, ...], tuple[tuple[int, int, int], ...]]:
+        """Incomplete requests that some ranks may have reported in bit vectors: the tree
+        must report them rank by rank (not needed in the slow mode: everything is)."""
+        if not self._undemoted or self._slow_sent:
+            self._undemoted.clear()
+            return (), ()
+        named, ordered = [], []
+        for key in self._undemoted:
+            entry = self.pending.get(key)
+            if entry is None or entry.ready_at is not None or entry.demoted:
+                continue
+            entry.demoted = True
+            if _is_ordered(key):
+                ordered.append(key[1:])
+            else:
+                cid = self.cache.id_of(key)
+                if cid >= 0:
+                    named.append(cid)
+        self._undemoted.clear()
+        return tuple(named), tuple(ordered)
+
     def _must_flush(self, now: float) -> bool:
-        first = self.pending[next(iter(self._ready))]
-        return (self._ready_urgent or now - first.ready_at >= self.cycle_time
+        return (self._ready_urgent or now - self._ready_since >= self.cycle_time
                 or self._ready_bytes >= self.fusion_threshold)
 
     def _unready(self, key: tuple, entry: _Pending) -> None:
-        self._ready.pop(key, None)
-        req = next(iter(entry.reqs.values()))
-        if req.coll == Coll.ALLREDUCE:
-            self._ready_bytes -= req.nbytes
+        if key in self._ready:
+            del self._ready[key]
+            req = next(iter(entry.reqs.values()))
+            if req.coll == Coll.ALLREDUCE:
+                self._ready_bytes -= req.nbytes
+        elif _is_ordered(key):
+            self._parked.get(key[1:3], {}).pop(key[3], None)
 
     def _scan(self, now: float, errors: list) -> None:
         """Stalls, ranks that left, joins: one pass over everything pending."""
@@ -311,17 +468,6 @@ class Coordinator:
         ref = next(iter(entry.reqs.values()))
         return Response(ref, error=f"{ref.describe()}: {text}", error_kind=kind)
 
-    @staticmethod
-    def _error_key(item: tuple) -> tuple:
-        return item[0]
-
-    def _error_item(self, item: tuple):
-        key, resp = item
-        self._forget_name(key)
-        if _is_ordered(key):
-            return OrderedItem(key[1], key[2], resp)
-        return resp
-
     def _forget_name(self, key: tuple) -> None:
         if not _is_ordered(key):
             types = self._names.get((key[1], key[2]))
@@ -330,16 +476,18 @@ class Coordinator:
                 if not types:
                     del self._names[(key[1], key[2])]
 
-    def _respond(self, key: tuple, entry: _Pending, joined: tuple[int, ...]):
+    def _respond(self, key: tuple, payload: Any, joined: tuple[int, ...]):
+        if type(payload) is int:
+            return payload                      # a cache id agreed in the tree
+        if isinstance(payload, OrderedItem):
+            return payload                      # agreed in the tree, or an error
+        entry: _Pending = payload
+        del self.pending[key]
         self._forget_name(key)
         members = self.psets[key[1]]
         ordered = _is_ordered(key)
         cache = self.sigcache if ordered else self.cache
         joined_here = joined if key[1] == 0 else ()
-        if ordered and joined_here:
-            for r in joined_here:       # a joined rank skips this request: keep it in step
-                k = (r, key[1], key[2])
-                self._next_seq[k] = max(self._next_seq.get(k, 0), key[3] + 1)
         ids = set(entry.ids.values())
         if not joined and len(ids) == 1 and len(entry.ids) == len(entry.reqs) == len(members):
             cid = ids.pop()
@@ -348,13 +496,20 @@ class Coordinator:
         if not resp.error:
             if resp.request.coll == Coll.ADD_PSET:
                 resp = Response(resp.request, value=self._next_pset)
-                self.psets[self._next_pset] = tuple(resp.request.splits)
+                self._add_pset(self._next_pset, tuple(resp.request.splits))
                 self._next_pset += 1
             elif resp.request.coll == Coll.REMOVE_PSET:
                 self.psets.pop(resp.request.root, None)
+                self._where.pop(resp.request.root, None)
+                self._sorted.pop(resp.request.root, None)
             if not joined:
                 cache.add(resp, None)
         return OrderedItem(key[1], key[2], resp) if ordered else resp
+
+    def _add_pset(self, pset: int, ranks: tuple[int, ...]) -> None:
+        self.psets[pset] = ranks
+        self._where[pset] = {r: i for i, r in enumerate(ranks)}
+        self._sorted[pset] = tuple(sorted(ranks))
 
 
 def _shape(s: tuple) -> str:

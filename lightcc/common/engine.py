@@ -5,12 +5,14 @@ can be checked locally and queues the request. Whichever thread holds the progre
 background thread, or a user thread waiting in ``synchronize()``, which then drives progress
 itself) runs :meth:`Engine._step`:
 
-1. tell the coordinator (rank 0) what is new, over the control plane (transport.py): response-
-   or signature-cache ids when the same request was agreed before (a few bytes), else full
-   requests;
-2. on rank 0, feed every rank's messages to the :class:`~.controller.Coordinator` and send
-   the batch it decides on to every rank;
-3. execute each batch in order (the same order on every rank), then complete the handles.
+1. report what is new (:class:`~.negotiator.Negotiator`): a request the rank's response or
+   signature cache holds becomes a bit in the control tree's bit vectors (negotiation.py),
+   anything else goes to rank 0 in full; a rank with children in the tree also merges their
+   reports and sends one report to its parent (transport.py);
+2. on rank 0, feed what the tree agreed and what ranks sent to the
+   :class:`~.controller.Coordinator` and send the batch it decides on down the tree;
+3. pass each batch on to the children, apply it to the caches and the node, execute it (the
+   same order on every rank), then complete the handles.
 
 Nothing polls: with nothing to do, the stepping thread blocks in the kernel on the control
 plane's sockets until a message arrives, a submission wakes it, or the coordinator's next
@@ -28,15 +30,16 @@ from typing import Any
 
 from . import executor, fusion
 from .backends.mpi import MPICommunicator
-from .cache import ResponseCache, SignatureCache
 from .config import Config
 from .controller import Coordinator
 from .direct import DirectPath
 from .exceptions import (CollectiveError, DuplicateNameError, InvalidArgumentError,
                          LightCCError, MismatchError, ShutdownError, StallError)
-from .messages import (COLL_NAMES, ORDERED, SHARED_STREAM, Batch, Coll, OrderedItem,
-                       RankMessage, Request, Response, signature)
+from .messages import COLL_NAMES, ORDERED, SHARED_STREAM, Batch, Coll, OrderedItem, Request, \
+    Response
 from .group import ExecSettings, Group
+from .negotiation import demote_after
+from .negotiator import Negotiator
 from .topology import Topology, build
 from .tracing import NULL, Tracer
 from .transport import ControlPlane
@@ -92,6 +95,11 @@ def _stream_name(coll: Coll, stream: int, seq: int, label: str | None) -> str:
 
 _ERROR_TYPES = {"mismatch": MismatchError, "stall": StallError, "shutdown": ShutdownError,
                 "join": MismatchError}
+
+
+def _ranks_text(ranks: list[int]) -> str:
+    ranks = sorted(set(ranks))
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranks}"
 
 
 class Handle:
@@ -181,7 +189,8 @@ class Engine:
         self.hostnames = hostnames
         self.topo = build(world, hostnames, config.local_size)
         self.rank, self.size = world.rank, world.size
-        self._plane = ControlPlane(mpi_comm, hostnames, config.control_addr)
+        self._plane = ControlPlane(mpi_comm, hostnames, config.control_addr,
+                                   config.control_fanout)
         self.settings = ExecSettings.from_config(config)
         self.groups: dict[int, Group] = {0: Group(0, tuple(range(self.size)), self.topo,
                                                   self.settings, progress=self._pump,
@@ -189,12 +198,17 @@ class Engine:
                                                       mpi_comm, tuple(range(self.size))))}
         self.tracer: Tracer = NULL
         self.batches = 0                     # batches executed
-        self.cache = ResponseCache(config.cache_capacity)
-        self.sigcache = SignatureCache(config.cache_capacity)
         self.coordinator = (Coordinator(self.size, config.cache_capacity,
                                         config.cycle_time / 1000.0, config.fusion_threshold,
                                         config.stall_check_time, config.stall_shutdown_time)
                             if self.rank == 0 else None)
+        self.neg = Negotiator(self.rank, self.size, config.cache_capacity,
+                              config.control_fanout,
+                              demote_after(config.stall_check_time, config.stall_shutdown_time),
+                              self.coordinator)
+        self.cache, self.sigcache = self.neg.cache, self.neg.sigcache
+        self._inbox: deque = deque()         # batches from the parent, not yet handled
+        self._lingering = False              # shut down here, still relaying for children
         self._lock = threading.Lock()        # queue, in-flight table, sequence numbers
         self._progress = threading.Lock()    # serializes _step(): every MPI call is under it
         self._cv = threading.Condition()     # guards _drivers
@@ -439,6 +453,8 @@ class Engine:
             else:        # a burst (backward's gradients): gather for GATHER_S after a send
                 hold = self._flushed_at + GATHER_S - time.perf_counter()
         progressed = self._flush_queue() if hold <= 0.0 else False
+        if self.neg.scan(time.monotonic()):
+            self._send_up()                    # what waited too long goes up rank by rank
         if self.coordinator is not None:
             progressed |= self._coordinate()
         if background:
@@ -469,24 +485,20 @@ class Engine:
 
     def _sleep_time(self, wait: float, hold: float) -> float:
         """How long a step with nothing to do may block: ``wait``, or less for the
-        coordinator's next deadline (rank 0) or the end of a lazy hold."""
+        coordinator's next deadline (rank 0), the node's stall scan or the end of a lazy
+        hold."""
+        wait = min(wait, self.neg.next_deadline(time.monotonic()))
         if self.coordinator is not None:
             wait = min(wait, self.coordinator.next_deadline())
         return min(wait, hold) if hold > 0.0 else wait
 
     def _receive(self, frames: list[tuple[int, bytes]]) -> bool:
-        """Act on control frames (rank 0: requests; others: batches) and on closed peers."""
-        progressed = False
-        if frames:
-            progressed = True
-            if self.coordinator is not None:
-                for src, data in frames:
-                    self.coordinator.receive(src, RankMessage.decode(data))
-            else:
-                for _, data in frames:
-                    self._execute(Batch.decode(data))
-                    if self._coordinator_gone:
-                        break
+        """Act on control frames (children's reports; batches from the parent, handled in
+        order) and on closed peers."""
+        progressed = bool(frames)
+        self._take_frames(frames)
+        while self._inbox and not self._coordinator_gone:   # _pump may add to it meanwhile
+            self._handle_batch(self._inbox.popleft())
         if len(self._plane.closed) != len(self._closed_seen):
             self._peers_closed()
             progressed = True
@@ -494,78 +506,108 @@ class Engine:
             self._coordinate()
         return progressed
 
+    def _take_frames(self, frames: list[tuple[int, bytes]]) -> None:
+        """Children's reports into the node (and the merged report up); the parent's batches
+        into the inbox."""
+        children = False
+        parent = self.neg.parent
+        for src, data in frames:
+            if src == parent:
+                self._inbox.append(data)
+            else:
+                self.neg.from_child(src, data)
+                children = True
+        if children:
+            self._send_up()
+
+    def _send_up(self) -> None:
+        """This rank's report to its parent (rank 0: into the coordinator), if any."""
+        data = self.neg.outgoing()
+        if data is not None and not self._coordinator_gone:
+            self._plane.send(self.neg.parent, data)
+
+    def _handle_batch(self, data: bytes) -> None:
+        """A batch from the parent: passed on to the children before this rank applies it
+        (before any later report of theirs can depend on it), then executed."""
+        for child in self.neg.children:
+            self._plane.send(child, data)
+        self._execute(Batch.decode(data))
+
     def _flush_queue(self) -> bool:
-        """Tell the coordinator about new submissions (cache ids where possible)."""
+        """Report new submissions (cache ids into the tree's bit vectors where possible)."""
         if not self._queue:      # unlocked peek; a request queued right after is seen next step
             return False
         with self._lock:
             new, self._queue = self._queue, []
             self._urgent = False
-        msg = RankMessage()
         now = time.perf_counter()
         self._flushed_at = now
+        neg = self.neg
         for entry in new:
             entry.sent_at = now
             req = entry.request
             if entry.stream is None:
-                cid = self.cache.lookup(req) if req.pset in self.groups else -1
-                if cid >= 0:
-                    msg.cached.append(cid)
-                else:
-                    msg.requests.append(req)
+                neg.submit_named(req)
             else:
-                cid = self.sigcache.lookup(signature(req))
-                msg.ordered.append((req.pset, entry.stream, cid if cid >= 0 else req))
-        if self.coordinator is not None:
-            self.coordinator.receive(0, msg)
-        elif not self._coordinator_gone:
-            self._plane.send(0, msg.encode())
+                neg.submit_ordered(req.pset, entry.stream, entry.response_key[3], req)
+        self._send_up()
         return True
 
     def _pump(self) -> None:
         """Between the pieces of a long exchange (``Communicator.progress``), on the thread
-        that executes it: send new submissions to the coordinator, and on rank 0 take in the
-        requests that arrived, so the next batch is agreed while this one is on the wire.
+        that executes it: report new submissions, and on a rank with children in the control
+        tree take in their reports and pass them on, so the next batch is agreed while this
+        one is on the wire.
 
         Without it the thread that executes a bucket is also the only one that negotiates:
         at 1 Gbit a gradient produced while a 100 ms bucket was on the wire was announced
         only after it, and its bucket started a round trip and a gather period late (30 ms
-        idle wire per step in the MLP benchmark). Nothing executes here: batches stay for
-        the step after the bucket (rank 0 ticks the coordinator there; other ranks read
-        batches only there)."""
+        idle wire per step in the MLP benchmark). Nothing executes here: batches from the
+        parent wait in the inbox for the step after the bucket (rank 0 ticks the coordinator
+        only there)."""
         if self._queue:
             self._flush_queue()
-        if self.coordinator is not None:
-            for src, data in self._plane.poll(0.0):
-                self.coordinator.receive(src, RankMessage.decode(data))
+        if self.neg.children:
+            self._take_frames(self._plane.poll(0.0))
 
     def _coordinate(self) -> bool:
-        """Rank 0: ask the coordinator for a batch; send it to every rank and execute it."""
+        """Rank 0: ask the coordinator for a batch; send it down the tree and execute it."""
         batch = self.coordinator.tick()
         for text in self.coordinator.warnings:
             log.warning("%s", text)
+        if self.coordinator.newly_lost:
+            lost, self.coordinator.newly_lost = self.coordinator.newly_lost, []
+            log.warning("%s closed its lightcc connection without shutdown() (it exited, or "
+                        "its relay in the control tree did); collectives that need it will "
+                        "fail", _ranks_text(lost))
         if batch is None:
             return False
-        if self.size > 1:
+        if self.neg.children:
             data = batch.encode()
-            for dest in range(1, self.size):
-                self._plane.send(dest, data)
+            for child in self.neg.children:
+                self._plane.send(child, data)
         self._execute(batch)
         return True
 
     def _peers_closed(self) -> None:
-        """Connections that ended: a rank that left (rank 0), or the coordinator (others)."""
+        """Connections that ended: a child (its subtree is cut off) or the parent (this rank
+        can no longer reach the coordinator)."""
         new = self._plane.closed - self._closed_seen
         self._closed_seen |= new
-        if self.coordinator is not None:
-            for r in sorted(new):
-                if r not in self.coordinator.gone:
-                    log.warning("rank %d closed its lightcc connection without shutdown() "
-                                "(it exited?); collectives that need it will fail", r)
-                    self.coordinator.lose(r)
-        elif 0 in new and not self._coordinator_gone:
-            self._remote_shutdown("rank 0 (the coordinator) closed its connection (it exited "
-                                  "or called shutdown())")
+        parent = self.neg.parent
+        lost = sorted(new - {parent})
+        for child in lost:
+            self.neg.child_lost(child)
+        if lost:
+            self._send_up()
+        if parent in new and not self._coordinator_gone:
+            reason = ("rank 0 (the coordinator) closed its connection (it exited or called "
+                      "shutdown())" if parent == 0 else
+                      f"rank {parent}, this rank's relay to rank 0 in the control tree, closed "
+                      f"its connection (it exited)")
+            for child in self.neg.children:   # they cannot reach rank 0 either
+                self._plane.send(child, Batch(shutdown=reason).encode())
+            self._remote_shutdown(reason)
 
     # ---- execution ---------------------------------------------------------------------------
     def _execute(self, batch: Batch) -> None:
@@ -573,26 +615,18 @@ class Engine:
             self._apply_settings(batch.settings)
         if batch.gone:
             self.gone_ranks = frozenset(batch.gone)
-        responses: list[Response] = []
+        responses = self.neg.absorb(batch)
         entries: list = []
         with self._lock:          # one acquisition for the whole batch
-            for item in batch.items:
-                if isinstance(item, int):
-                    resp = self.cache.get(item)
-                    entries.append(self._inflight.pop(resp.request.key, None))
-                elif isinstance(item, OrderedItem):
-                    resp = item.payload
-                    if isinstance(resp, int):
-                        resp = self.sigcache.get(resp)
-                    elif not batch.joined:
-                        self.sigcache.add(resp, self._index_in(resp.request.pset))
+            for item, resp in zip(batch.items, responses):
+                if isinstance(item, OrderedItem):
                     entries.append(self._take_ordered(item.pset, item.stream))
                 else:
-                    resp = item
-                    if not batch.joined:
-                        self.cache.add(item, self._index_in(item.request.pset))
                     entries.append(self._inflight.pop(resp.request.key, None))
-                responses.append(resp)
+        if self._lingering:       # shut down here: only relaying for the children
+            if batch.shutdown:
+                self._remote_shutdown(batch.shutdown)
+            return
         if self.tracer.enabled:
             self.tracer.instant("engine", "CYCLE", time.perf_counter(), step=self.batches,
                                 responses=len(responses))
@@ -628,10 +662,6 @@ class Engine:
             self._plans[key] = buckets
         return buckets
 
-    def _index_in(self, pset: int) -> int | None:
-        group = self.groups.get(pset)
-        return group.index(self.rank) if group is not None else None
-
     def _take_ordered(self, pset: int, stream: int) -> executor.LocalEntry | None:
         """This rank's next request on an ordered stream (None when it did not submit one:
         it has joined, or is not a member; a joined member skips the position). Called with
@@ -641,8 +671,7 @@ class Engine:
             entry = queue.popleft()
             self._inflight.pop(entry.response_key, None)
             return entry
-        group = self.groups.get(pset)
-        if group is not None and group.index(self.rank) is not None:
+        if self.neg.index(pset) is not None:
             self._seq[(pset, stream)] = self._seq.get((pset, stream), 0) + 1
         return None
 
@@ -791,10 +820,28 @@ class Engine:
                                                f"shutdown() ran on rank {self.rank}"))
         if self.coordinator is not None:
             data = Batch(shutdown="rank 0 (the coordinator) called shutdown()").encode()
-            for dest in range(1, self.size):
-                self._plane.send(dest, data)
+            for child in self.neg.children:
+                self._plane.send(child, data)
         elif not self._coordinator_gone:
-            self._plane.send(0, RankMessage(shutdown=True).encode())
+            self.neg.submit_shutdown()
+            self._send_up()
+            if self.neg.children:
+                self._linger()
         self._plane.close()
+
+    def _linger(self) -> None:
+        """Shut down here, but keep relaying for the children until they have closed their
+        connections (they may still use process sets without this rank), at most most of
+        LCC_SHUTDOWN_TIMEOUT: ranks shut down from the leaves up."""
+        self._lingering = True
+        deadline = time.monotonic() + 0.8 * self.config.shutdown_timeout
+        children = set(self.neg.children)
+        while not children <= self._plane.closed and not self._coordinator_gone:
+            left = deadline - time.monotonic()
+            if left <= 0 or self.neg.parent in self._plane.closed:
+                log.info("shut down with ranks %s still connected through this rank",
+                         sorted(children - self._plane.closed))
+                return
+            self._receive(self._plane.poll(min(left, MAX_WAIT_S)))
 
 

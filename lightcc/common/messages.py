@@ -6,6 +6,10 @@ description of the collective, including per-rank data that differs legitimately
 first dimensions, alltoall splits). Responses travel in a :class:`Batch`; a response already
 in every rank's response cache travels as its integer id only.
 
+Up the control tree (negotiation.py) travels a :class:`Report` per message: what a subtree
+agreed on in the steady state (bit vectors of response-cache ids, ordered positions), and the
+:class:`RankMessage` of each rank that needs rank 0's attention, relayed as opaque bytes.
+
 Messages are plain tuples pickled with the highest protocol: small (tens of bytes for a cached
 steady-state round) and fast to encode, without a schema compiler.
 """
@@ -146,9 +150,13 @@ class RankMessage:
 
     ``cached`` are response-cache ids of resubmitted tensors, ``requests`` new ones,
     ``shutdown`` that this rank is leaving. ``ordered`` lists this rank's new ordered requests
-    as ``(pset, stream, payload)`` in submission order (their sequence numbers are implicit:
-    the coordinator counts them per rank and stream); ``payload`` is a signature-cache id or
-    the full :class:`Request`.
+    as ``(pset, stream, seq, payload)``: ``seq`` is the request's position on its stream (the
+    rank's count of its requests there, positions skipped while joined included) and
+    ``payload`` a signature-cache id or the full :class:`Request`.
+
+    In the steady state most requests do not travel here at all: cached ones are agreed in
+    the control tree's bit vectors (negotiation.py). A rank sends a message only for what is
+    new, changed, or while ranks have joined or left.
     """
 
     cached: list[int] = field(default_factory=list)
@@ -160,8 +168,8 @@ class RankMessage:
         return bool(self.cached or self.requests or self.shutdown or self.ordered)
 
     def encode(self) -> bytes:
-        ordered = [(ps, st, p if isinstance(p, int) else p.to_tuple())
-                   for ps, st, p in self.ordered]
+        ordered = [(ps, st, sq, p if isinstance(p, int) else p.to_tuple())
+                   for ps, st, sq, p in self.ordered]
         return pickle.dumps((self.cached, [r.to_tuple() for r in self.requests], self.shutdown,
                              ordered), protocol=pickle.HIGHEST_PROTOCOL)
 
@@ -169,8 +177,8 @@ class RankMessage:
     def decode(cls, data: bytes) -> "RankMessage":
         cached, reqs, shutdown, ordered = pickle.loads(data)
         return cls(list(cached), [Request.from_tuple(t) for t in reqs], bool(shutdown),
-                   [(ps, st, p if isinstance(p, int) else Request.from_tuple(p))
-                    for ps, st, p in ordered])
+                   [(ps, st, sq, p if isinstance(p, int) else Request.from_tuple(p))
+                    for ps, st, sq, p in ordered])
 
 
 # ---- coordinator -> ranks -----------------------------------------------------------------
@@ -186,7 +194,12 @@ class Batch:
     must stop on every rank (coordinator shutdown). ``settings`` holds tuned settings (fusion
     threshold, algorithm, ...) that take effect from this batch on, on every rank at once.
     ``gone`` are the ranks that shut down or exited so far (the direct path of small unnamed
-    allreduces stops waiting for them, direct.py).
+    allreduces stops waiting for them, direct.py). While ``joined`` or ``gone`` is non-empty
+    every rank reports to rank 0 directly (the *slow mode*, negotiation.py).
+
+    ``demote`` (response-cache ids) and ``demote_ordered`` (``(pset, stream, seq)``) name what
+    rank 0 needs reported rank by rank: a request some rank sent in full while others may have
+    reported it in the control tree's bit vectors (negotiation.py).
     """
 
     items: list[Any] = field(default_factory=list)
@@ -194,16 +207,19 @@ class Batch:
     shutdown: str = ""
     settings: dict[str, Any] = field(default_factory=dict)
     gone: tuple[int, ...] = ()
+    demote: tuple[int, ...] = ()
+    demote_ordered: tuple[tuple[int, int, int], ...] = ()
 
     def encode(self) -> bytes:
         return pickle.dumps(([_encode_item(i) for i in self.items], self.joined, self.shutdown,
-                             self.settings, self.gone), protocol=pickle.HIGHEST_PROTOCOL)
+                             self.settings, self.gone, self.demote, self.demote_ordered),
+                            protocol=pickle.HIGHEST_PROTOCOL)
 
     @classmethod
     def decode(cls, data: bytes) -> "Batch":
-        items, joined, shutdown, settings, gone = pickle.loads(data)
+        items, joined, shutdown, settings, gone, demote, demote_ordered = pickle.loads(data)
         return cls([_decode_item(i) for i in items], tuple(joined), shutdown, dict(settings),
-                   tuple(gone))
+                   tuple(gone), tuple(demote), tuple(demote_ordered))
 
 
 def _encode_item(item: Any) -> Any:
@@ -223,3 +239,37 @@ def _decode_item(item: Any) -> Any:
         pset, stream, p = item
         return OrderedItem(pset, stream, p if isinstance(p, int) else Response.from_tuple(p))
     return Response.from_tuple(item)
+
+
+# ---- up the control tree ------------------------------------------------------------------
+@dataclass
+class Report:
+    """What a node of the control tree sends its parent (negotiation.py), in this order of
+    meaning: ``slow`` are ``(rank, RankMessage bytes)`` relayed unopened; ``named_details``
+    ``(cache id, ((lo, hi), ...), age s)`` and ``ordered_details`` ``(pset, stream, seq,
+    ((lo, hi, signature id), ...), age s)`` say which ranks of the subtree reported something
+    that is no longer agreed in bit vectors (it stalled, or rank 0 asked for it); ``lost`` are
+    ranks cut off (their connection, or their relay's, closed). ``named`` is a bit vector of
+    response-cache ids that every member in the subtree reported; ``ordered`` lists complete
+    ordered positions as ``(pset, stream, seq, value)`` with ``value`` one signature id, or
+    ``((lo, hi, id), ...)`` when ranks reported different ids. Ranges are of world ranks.
+    """
+
+    named: int = 0
+    ordered: list = field(default_factory=list)
+    named_details: list = field(default_factory=list)
+    ordered_details: list = field(default_factory=list)
+    slow: list = field(default_factory=list)
+    lost: list = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.named or self.ordered or self.named_details or self.ordered_details
+                    or self.slow or self.lost)
+
+    def encode(self) -> bytes:
+        return pickle.dumps((self.named, self.ordered, self.named_details, self.ordered_details,
+                             self.slow, self.lost), protocol=pickle.HIGHEST_PROTOCOL)
+
+    @classmethod
+    def decode(cls, data: bytes) -> "Report":
+        return cls(*pickle.loads(data))

@@ -1,19 +1,21 @@
-"""The engine's control plane: small messages between every rank and rank 0, over TCP.
+"""The engine's control plane: small messages along a tree of TCP connections rooted at rank 0.
 
 Why not MPI for these: waiting for an MPI message means polling (``Iprobe``) or sitting in a
 blocking call that spins inside MPI, and both burn the core that training needs. A socket lets
 the waiting thread block in the kernel (``select``) until a message arrives, a local submission
 wakes it (:meth:`ControlPlane.wake`) or a deadline passes, at no CPU cost. Data still moves over
-MPI; only requests and batches (tens of bytes each in steady state) travel here.
+MPI; only reports and batches (tens of bytes each in steady state) travel here.
 
-Shape: a star. Rank 0 (the coordinator) listens on an ephemeral port; every other rank connects
-once during ``init()``, after learning rank 0's port, candidate addresses and a random token
-through one MPI broadcast. Ranks on rank 0's host use the loopback address; others try rank 0's
-interface addresses in turn (``LCC_CONTROL_ADDR`` names the address or interface to use instead).
-A frame is a 4-byte little-endian length followed by the payload. Sockets are non-blocking;
-unsent bytes wait in a per-connection outbox flushed whenever the plane is polled. Only the
-thread holding the engine's progress lock polls or sends; :meth:`ControlPlane.wake` may be called
-from any thread.
+Shape: the tree of negotiation.py (``LCC_CONTROL_FANOUT`` children per rank; a job of up to
+fanout + 1 ranks is a star around rank 0). Every rank with children listens on an ephemeral
+port; during ``init()`` one MPI allgather spreads every listener's port and candidate addresses,
+one broadcast rank 0's random token, and each rank connects once to its parent. Ranks on their
+parent's host use the loopback address; others try the parent's interface addresses in turn
+(``LCC_CONTROL_ADDR`` names the address or interface to use instead: an interface name applies
+on every host, an address or host name to rank 0's host). A frame is a 4-byte little-endian
+length followed by the payload. Sockets are non-blocking; unsent bytes wait in a per-connection
+outbox flushed whenever the plane is polled. Only the thread holding the engine's progress lock
+polls or sends; :meth:`ControlPlane.wake` may be called from any thread.
 """
 from __future__ import annotations
 
@@ -28,6 +30,7 @@ import time
 from typing import Any, Sequence
 
 from .exceptions import LightCCError
+from .negotiation import DEFAULT_FANOUT, layout
 
 log = logging.getLogger("lightcc")
 
@@ -87,14 +90,20 @@ class _Conn:
 
 
 class ControlPlane:
-    """Framed messages between this rank and rank 0 (see module docstring).
+    """Framed messages between this rank and its parent and children in the control tree
+    (see module docstring).
 
     Collective over ``comm`` (an mpi4py communicator): every rank constructs it at once.
     """
 
-    def __init__(self, comm: Any, hostnames: Sequence[str], override: str = "") -> None:
+    def __init__(self, comm: Any, hostnames: Sequence[str], override: str = "",
+                 fanout: int = DEFAULT_FANOUT) -> None:
         self.rank = comm.Get_rank()
         self.size = comm.Get_size()
+        parents, children, _ = layout(self.size, fanout)
+        self._parents = parents
+        self.parent: int | None = parents[self.rank] if parents[self.rank] >= 0 else None
+        self.children: tuple[int, ...] = children[self.rank]
         self._sel = selectors.DefaultSelector()
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
@@ -111,35 +120,40 @@ class ControlPlane:
     def _bootstrap(self, comm: Any, hostnames: list[str], override: str) -> None:
         listener = None
         info = None
-        if self.rank == 0:
+        if self.children:
             listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
             listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             listener.bind(("", 0))
-            listener.listen(min(self.size, 4096))
+            listener.listen(min(len(self.children) + 16, 4096))
             try:
-                remote = candidate_addresses(override)
+                remote = advertised_addresses(override, hostnames[self.rank] == hostnames[0])
             except OSError as exc:
                 remote = []
                 log.warning("LCC_CONTROL_ADDR=%r: %s", override, exc)
-            info = (listener.getsockname()[1], remote, os.urandom(8))
-        port, remote, token = comm.bcast(info, root=0)
-        if self.rank == 0:
-            self._accept_all(listener, token)
-            listener.close()
-            ok = True
-        else:
-            same_host = hostnames[self.rank] == hostnames[0]
+            info = (listener.getsockname()[1], remote)
+        token = comm.bcast(os.urandom(8) if self.rank == 0 else None, root=0)
+        infos = comm.allgather(info)
+        ok = True
+        if self.parent is not None:          # the parent's backlog holds us until it accepts
+            port, remote = infos[self.parent]
+            same_host = hostnames[self.rank] == hostnames[self.parent]
             tried = (["127.0.0.1"] if same_host and not override else []) + list(remote)
             ok = self._connect(tried, port, token)
-        oks = comm.allgather(ok)
-        heard = comm.bcast(sorted(self._conns) if self.rank == 0 else None, root=0)
-        bad = [r for r in range(1, self.size) if not oks[r] or r not in heard]
+        if listener is not None:
+            self._accept_all(listener, token, set(self.children))
+            listener.close()
+        unheard = [c for c in self.children if c not in self._conns]
+        report = comm.allgather((ok, unheard))
+        bad = sorted({r for r, (good, _) in enumerate(report) if not good} |
+                     {c for _, missing in report for c in missing})
         if bad:
             self.close()
+            parent = max(self._parents[bad[0]], 0)
+            port, remote = infos[parent] or (0, [])
             raise LightCCError(
-                f"lightcc's control connection to rank 0 (port {port}, addresses "
+                f"lightcc's control connection to rank {parent} (port {port}, addresses "
                 f"{remote or ['none found']}) failed on ranks {bad}; set LCC_CONTROL_ADDR to an "
-                f"address or interface of rank 0's host that every rank can reach")
+                f"address or interface of that host that every rank can reach")
 
     def _connect(self, addrs: list[str], port: int, token: bytes) -> bool:
         for addr in addrs:
@@ -150,14 +164,14 @@ class ControlPlane:
                 continue
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             sock.sendall(_HELLO.pack(token, self.rank))
-            self._add(sock, 0)
+            self._add(sock, self.parent)
             return True
         return False
 
-    def _accept_all(self, listener: socket.socket, token: bytes) -> None:
-        """Accept every other rank's connection, or stop at the deadline."""
+    def _accept_all(self, listener: socket.socket, token: bytes, expected: set[int]) -> None:
+        """Accept every child's connection, or stop at the deadline."""
         deadline = time.monotonic() + ACCEPT_TIMEOUT_S
-        while len(self._conns) < self.size - 1:
+        while not expected <= self._conns.keys():
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 return
@@ -173,7 +187,7 @@ class ControlPlane:
             except (OSError, ValueError, struct.error):
                 sock.close()
                 continue
-            if got != token or not 0 < rank < self.size or rank in self._conns:
+            if got != token or rank not in expected or rank in self._conns:
                 sock.close()       # a stray connection, not one of ours
                 continue
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -187,8 +201,8 @@ class ControlPlane:
 
     # ---- sending -------------------------------------------------------------------------------
     def send(self, dest: int, payload: bytes) -> None:
-        """Queue one frame for ``dest`` (rank 0 may send to anyone, others only to 0) and send
-        what the socket takes now; the rest goes out on later calls."""
+        """Queue one frame for ``dest`` (this rank's parent or a child) and send what the socket
+        takes now; the rest goes out on later calls."""
         conn = self._conns.get(dest)
         if conn is None:
             return        # the peer is gone (closed); the engine learns it from ``closed``
@@ -313,6 +327,14 @@ class ControlPlane:
                 pass
             s.close()
         self._sel.close()
+
+
+def advertised_addresses(override: str, on_rank0_host: bool) -> list[str]:
+    """What a listening rank advertises: ``LCC_CONTROL_ADDR`` when it names rank 0's host (an
+    address or host name, on that host) or an interface this host has; else every address."""
+    if override and (on_rank0_host or override in interface_addresses()):
+        return candidate_addresses(override)
+    return candidate_addresses()
 
 
 def _recv_exactly(sock: socket.socket, n: int) -> bytes:

@@ -286,8 +286,14 @@ from lightcc.common.cache import SignatureCache  # noqa: E402
 from lightcc.common.messages import SHARED_STREAM, OrderedItem, signature  # noqa: E402
 
 
-def ordered(coord, rank, *items, pset=0, stream=SHARED_STREAM):
-    coord.receive(rank, RankMessage(ordered=[(pset, stream, i) for i in items]))
+def ordered(coord, rank, *items, pset=0, stream=SHARED_STREAM, seq=None):
+    """``rank``'s next requests on a stream; positions count per (coordinator, rank, stream)
+    as the engine numbers them, unless ``seq`` gives the first one."""
+    counts = coord.__dict__.setdefault("_test_seq", {})
+    first = counts.get((rank, pset, stream), 0) if seq is None else seq
+    counts[(rank, pset, stream)] = first + len(items)
+    coord.receive(rank, RankMessage(ordered=[(pset, stream, first + i, x)
+                                             for i, x in enumerate(items)]))
 
 
 def test_ordered_requests_match_by_position_not_label():
@@ -364,9 +370,10 @@ def test_joined_rank_skips_ordered_positions_and_stays_aligned():
     assert len(batch.items) == 2 and batch.joined == (1,)
     submit(coord, 0, Request(Coll.JOIN, "join"))
     coord.tick()
-    # after join, rank 1's next ordered request lines up with rank 0's next one
+    # after join, rank 1's next ordered request lines up with rank 0's next one (a joined
+    # rank counts the positions it skipped: the engine's _take_ordered)
     ordered(coord, 0, ar("after", shape=(2,)))
-    ordered(coord, 1, ar("after", shape=(2,)))
+    ordered(coord, 1, ar("after", shape=(2,)), seq=2)
     (item,) = coord.tick().items
     assert not item.payload.error and item.payload.request.shape == (2,)
 

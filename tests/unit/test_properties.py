@@ -54,8 +54,8 @@ def test_every_submitted_tensor_gets_exactly_one_matching_response(case):
                 (msg.cached.append(cid) if cid >= 0 else msg.requests.append(req))
             coord.receive(rank, RankMessage.decode(msg.encode()))
             batch = coord.tick()
-            if j < size - 1:
-                assert batch is None, "a response before every rank submitted"
+            if j < size - 1:       # (a batch may ask the control tree for detail: demote)
+                assert batch is None or not batch.items, "a response before every rank submitted"
             if batch is not None:
                 batch = Batch.decode(batch.encode())
                 for item in batch.items:

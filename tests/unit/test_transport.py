@@ -142,27 +142,30 @@ def test_a_peer_that_closes_is_reported():
 
 
 def test_stray_connections_are_ignored():
+    """A connection with the wrong token reaches rank 0's listener before rank 1's own."""
+    class StrayComm(FakeComm):
+        def allgather(self, value):
+            out = super().allgather(value)
+            if not hasattr(self, "stray") and isinstance(out[0], tuple):   # rank 0's port
+                self.stray = socket.create_connection(("127.0.0.1", out[0][0]))
+                self.stray.sendall(b"x" * 12)
+            return out
+
     shared = {"barrier": threading.Barrier(2)}
     planes: list = [None, None]
-    box = shared.setdefault("bcast1", {})
-
-    def rank0() -> None:
-        planes[0] = ControlPlane(FakeComm(shared, 0, 2), ["h", "h"])
-
-    t = threading.Thread(target=rank0)
-    t.start()
-    deadline = time.monotonic() + 10
-    while 0 not in box and time.monotonic() < deadline:
-        time.sleep(0.01)
-    port = box[0][0]
-    with socket.create_connection(("127.0.0.1", port)) as stray:   # wrong token
-        stray.sendall(b"x" * 12)
-        planes[1] = ControlPlane(FakeComm(shared, 1, 2), ["h", "h"])
-    t.join(30)
+    comms = [FakeComm(shared, 0, 2), StrayComm(shared, 1, 2)]
+    threads = [threading.Thread(target=lambda r=r: planes.__setitem__(
+        r, ControlPlane(comms[r], ["h", "h"]))) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
     try:
+        assert hasattr(comms[1], "stray")
         planes[1].send(0, b"ok")
         assert poll_until(planes[0], 1) == [(1, b"ok")]
     finally:
+        comms[1].stray.close()
         for p in planes:
             p.close()
 
