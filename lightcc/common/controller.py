@@ -113,6 +113,7 @@ class Coordinator:
         self.partial: Callable[[], bool] = lambda: False   # rank 0's node has partial state
         self.fast_keys = 0                   # keys agreed in the tree (statistics)
         self.slow_pairs = 0                  # (rank, request) pairs handled one by one
+        self.demoted_keys = 0                # keys the tree was asked to detail
         self._rescan = False
         self._next_scan = -math.inf
 
@@ -230,6 +231,8 @@ class Coordinator:
             entry = self.pending[key] = _Pending(first_seen=now)
             self._open += 1
             self._undemoted.add(key)
+            if self.gone and not self.gone.isdisjoint(self._where.get(key[1], ())):
+                self._rescan = True          # it needs a rank that left: fail it soon
         elif now < entry.first_seen:
             entry.first_seen = now
         entry.reqs[rank] = req
@@ -282,7 +285,8 @@ class Coordinator:
 
     # -- decisions --------------------------------------------------------------------------
     def _missing(self, key: tuple, entry: _Pending) -> tuple[set[int], set[int]]:
-        """(ranks still missing, ranks that shut down before submitting) for one key."""
+        """(ranks still missing, members that shut down or exited: it cannot run) for one
+        key."""
         members = self.psets.get(key[1])
         if members is None:
             return set(), set()
@@ -291,7 +295,7 @@ class Coordinator:
             return set(), set()
         joined = set(self.joined) if key[1] == 0 else set()   # validate() rejects what
         missing = set(members) - set(present) - joined
-        return missing - self.gone, missing & self.gone
+        return missing - self.gone, self.gone.intersection(members)
 
     def next_deadline(self) -> float:
         """Seconds until :meth:`tick` has something time-driven to do (hold expiry, scan)."""
@@ -365,6 +369,7 @@ class Coordinator:
             if entry is None or entry.ready_at is not None or entry.demoted:
                 continue
             entry.demoted = True
+            self.demoted_keys += 1
             if _is_ordered(key):
                 ordered.append(key[1:])
             else:
@@ -396,9 +401,9 @@ class Coordinator:
             if gone:
                 how = ("exited or lost its connection" if gone <= self.lost
                        else "shut down")
+                when = "submitting it" if gone - entry.reqs.keys() else "it could run"
                 errors.append((key, self._error(entry, key, "shutdown",
-                                                f"{_fmt_ranks(gone)} {how} before "
-                                                f"submitting it")))
+                                                f"{_fmt_ranks(gone)} {how} before {when}")))
             elif not missing:
                 if entry.ready_at is None:
                     self._mark_ready(key, entry, now)

@@ -616,6 +616,7 @@ class Engine:
         if batch.gone:
             self.gone_ranks = frozenset(batch.gone)
         responses = self.neg.absorb(batch)
+        self._send_up()           # what the batch demoted goes up rank by rank
         entries: list = []
         with self._lock:          # one acquisition for the whole batch
             for item, resp in zip(batch.items, responses):

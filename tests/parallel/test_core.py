@@ -34,6 +34,26 @@ def test_diverged_ranks_fail_with_stall_errors_naming_what_each_waits_in():
     assert out.count("diverge ok") == 2, out
 
 
+@pytest.mark.parametrize("np_,fanout", [(2, "4"), (3, "1"), (4, "2"), (8, "2")])
+def test_steady_state_is_agreed_in_the_control_tree(np_, fanout):
+    """Named, unnamed and ordered calls, a process set, mismatches, changed allgather sizes
+    and join, in the steady state of the control tree (fanout 1: a chain; 8 ranks with fanout
+    2: two levels of relays)."""
+    out = run_mpi(np_, [W + "steady.py"], env={"LCC_CONTROL_FANOUT": fanout},
+                  timeout=400 if np_ > 4 else None).stdout
+    assert out.count("steady ok") == np_, out
+
+
+@pytest.mark.parametrize("np_,fanout", [(4, "1"), (8, "2")])
+def test_stall_in_the_steady_state_names_missing_ranks_and_what_they_wait_in(np_, fanout):
+    out = run_mpi(np_, [W + "steady_stall.py"], env={"LCC_CONTROL_FANOUT": fanout,
+                                                     "LCC_STALL_CHECK_TIME": "1",
+                                                     "LCC_STALL_SHUTDOWN_TIME": "3"},
+                  timeout=400 if np_ > 4 else None).stdout
+    assert f"missing rank {np_ - 1}; rank {np_ - 1} waits in barrier" in out, out
+    assert out.count("steady stall ok") == np_, out
+
+
 @pytest.mark.parametrize("np_,overlap", [(2, "0"), (3, "1")])
 def test_ordered_streams_unnamed_and_shared(np_, overlap):
     out = run_mpi(np_, [W + "ordered.py"], env={"LCC_OVERLAP": overlap}).stdout

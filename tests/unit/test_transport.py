@@ -1,4 +1,5 @@
-"""The control plane (TCP star to rank 0) with several ranks as threads of one process."""
+"""The control plane (a TCP tree rooted at rank 0; a star up to fanout + 1 ranks) with several
+ranks as threads of one process."""
 from __future__ import annotations
 
 import socket
@@ -39,14 +40,15 @@ class FakeComm:
         return [box[r] for r in range(self.size)]
 
 
-def make_planes(n: int, hostnames=None) -> list[ControlPlane]:
+def make_planes(n: int, hostnames=None, fanout: int = 4) -> list[ControlPlane]:
     shared = {"barrier": threading.Barrier(n)}
     planes: list = [None] * n
     errors: list = []
 
     def build(r: int) -> None:
         try:
-            planes[r] = ControlPlane(FakeComm(shared, r, n), hostnames or ["h"] * n)
+            planes[r] = ControlPlane(FakeComm(shared, r, n), hostnames or ["h"] * n,
+                                     fanout=fanout)
         except BaseException as exc:
             errors.append(exc)
             shared["barrier"].abort()
@@ -80,6 +82,35 @@ def test_frames_reach_rank0_and_back_in_order():
         assert by_src == {1: [f"1:{i}" for i in range(5)], 2: [f"2:{i}" for i in range(5)]}
         planes[0].send(2, b"batch")
         assert poll_until(planes[2], 1) == [(0, b"batch")]
+    finally:
+        for p in planes:
+            p.close()
+
+
+def test_a_tree_connects_each_rank_to_its_parent_and_children_only():
+    planes = make_planes(7, fanout=2)           # 0 -> (1 -> 2, 3), (4 -> 5, 6)
+    try:
+        assert [p.parent for p in planes] == [None, 0, 1, 1, 0, 4, 4]
+        assert planes[0].children == (1, 4) and planes[4].children == (5, 6)
+        assert [sorted(p._conns) for p in planes] == [[1, 4], [0, 2, 3], [1], [1], [0, 5, 6],
+                                                       [4], [4]]
+        for r in (2, 3):                         # leaves to their parent, in order
+            for i in range(3):
+                planes[r].send(1, f"{r}:{i}".encode())
+        got = poll_until(planes[1], 6)
+        assert [p.decode() for s, p in got if s == 2] == ["2:0", "2:1", "2:2"]
+        assert [p.decode() for s, p in got if s == 3] == ["3:0", "3:1", "3:2"]
+        planes[0].send(4, b"down")
+        planes[0].send(2, b"not a neighbour")   # no connection: dropped, not delivered
+        assert poll_until(planes[4], 1) == [(0, b"down")]
+        assert poll_until(planes[2], 1, timeout=0.5) == []
+        planes[4].close()                         # a relay leaves: both sides see it
+        deadline = time.monotonic() + 10
+        while not (4 in planes[0].closed and 4 in planes[5].closed) and \
+                time.monotonic() < deadline:
+            planes[0].poll(0.05)
+            planes[5].poll(0.05)
+        assert planes[0].closed == {4} and planes[5].closed == {4}
     finally:
         for p in planes:
             p.close()
