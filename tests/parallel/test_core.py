@@ -54,6 +54,11 @@ def test_stall_in_the_steady_state_names_missing_ranks_and_what_they_wait_in(np_
     assert out.count("steady stall ok") == np_, out
 
 
+def test_a_relay_that_shuts_down_keeps_relaying_for_its_subtree():
+    out = run_mpi(4, [W + "relay_shutdown.py"], env={"LCC_CONTROL_FANOUT": "1"}).stdout
+    assert out.count("relay ok") == 4, out
+
+
 @pytest.mark.parametrize("np_,overlap", [(2, "0"), (3, "1")])
 def test_ordered_streams_unnamed_and_shared(np_, overlap):
     out = run_mpi(np_, [W + "ordered.py"], env={"LCC_OVERLAP": overlap}).stdout
