@@ -320,15 +320,18 @@ class Coordinator:
             entry = self.pending.pop(key, None)
             if entry is None:
                 continue
+            self._forget_name(key)
             if entry.ready_at is None:
                 self._open -= 1
+                if _is_ordered(key):       # in its stream's order, like an answer
+                    self._enqueue(key, OrderedItem(key[1], key[2], resp), resp.request)
+                    continue
             else:
                 self._unready(key, entry)
-            self._forget_name(key)
-            if _is_ordered(key):
-                self._enqueue(key, OrderedItem(key[1], key[2], resp), resp.request)
-            else:
-                items.append(resp)
+                if _is_ordered(key):       # an answered position: the error takes its place
+                    self._replace(key, OrderedItem(key[1], key[2], resp))
+                    continue
+            items.append(resp)
         batch_joined = tuple(sorted(self.joined))
         if self._ready and ((not self._open and not self.partial()) or self._must_flush(now)):
             ready, self._ready = self._ready, {}
@@ -385,12 +388,21 @@ class Coordinator:
 
     def _unready(self, key: tuple, entry: _Pending) -> None:
         if key in self._ready:
-            del self._ready[key]
             req = next(iter(entry.reqs.values()))
             if req.coll == Coll.ALLREDUCE:
                 self._ready_bytes -= req.nbytes
-        elif _is_ordered(key):
-            self._parked.get(key[1:3], {}).pop(key[3], None)
+            if not _is_ordered(key):
+                del self._ready[key]
+
+    def _replace(self, key: tuple, item: OrderedItem) -> None:
+        """An error for an ordered position already complete (ready, or parked behind an
+        earlier one): it goes out in that position's place."""
+        if key in self._ready:
+            self._ready[key] = item
+            self._ready_urgent = True
+        else:
+            parked = self._parked.setdefault(key[1:3], {})
+            parked[key[3]] = (item, item.payload.request)
 
     def _scan(self, now: float, errors: list) -> None:
         """Stalls, ranks that left, joins: one pass over everything pending."""

@@ -386,3 +386,24 @@ def test_ordered_stall_names_what_the_missing_rank_waits_in():
     texts = [getattr(i, "payload", i).error for i in coord.tick().items]
     assert any("allreduce 'grad'" in t and "never by rank 1" in t
                and "rank 1 waits in barrier 'barrier.noname.0'" in t for t in texts), texts
+
+
+def test_a_member_that_leaves_fails_an_answered_ordered_position_in_its_place():
+    """Position 0 is complete but held (cycle time, another request still open) when rank 2
+    exits: the position fails with ShutdownError where it stood, and position 1 follows."""
+    coord, clock = make(size=3, cycle=10.0)
+    for r in range(3):
+        ordered(coord, r, ar("p0"))
+    submit(coord, 0, ar("x"))
+    assert coord.tick() is None                    # held: 'x' is still open
+    coord.lose(2)
+    items = coord.tick().items
+    pos = [i for i in items if isinstance(i, OrderedItem)]
+    assert len(pos) == 1 and pos[0].payload.error_kind == "shutdown", items
+    assert "rank 2 exited or lost its connection before it could run" in pos[0].payload.error
+    for r in range(2):
+        ordered(coord, r, ar("p1"))
+    clock.t = 20.0
+    batch = coord.tick()
+    assert [i.payload.error_kind for i in batch.items if isinstance(i, OrderedItem)] == \
+        ["shutdown"]                                # position 1 needs rank 2 as well
