@@ -832,8 +832,8 @@ class Engine:
 
     def _linger(self) -> None:
         """Shut down here, but keep relaying for the children until they have closed their
-        connections (they may still use process sets without this rank), at most most of
-        LCC_SHUTDOWN_TIMEOUT: ranks shut down from the leaves up."""
+        connections (they may still use process sets without this rank), for at most 80 % of
+        LCC_SHUTDOWN_TIMEOUT: a job's ranks shut down from the leaves up."""
         self._lingering = True
         deadline = time.monotonic() + 0.8 * self.config.shutdown_timeout
         children = set(self.neg.children)
