@@ -14,6 +14,8 @@ all of them).
   cache lookups, its node's bit vectors, its children's reports, and the batch; rank 0 also the
   coordinator's tick and the batch's encoding. Cost per rank; the table shows rank 0's and the
   highest of any rank.
+* **over sockets** (``--transport``, this checkout): the tree again, each rank a thread with its
+  own control plane (TCP on loopback, frames, ``select``): socket calls count too.
 
     python benchmarks/control_scale.py                      # 2 ... 4096, before = 8a... (below)
     python benchmarks/control_scale.py --sizes 2,8,64 --before none
@@ -159,6 +161,84 @@ def star_now(size: int, steps: int) -> dict:
     return star(size, steps)
 
 
+# ---- the tree over the real control plane: ranks as threads, TCP on loopback --------------------
+def transport(size: int, steps: int, fanout: int) -> dict:
+    """Per-rank CPU ms per step with each rank a thread that runs its negotiator over its own
+    :class:`~lightcc.common.transport.ControlPlane` (real sockets, frames, ``select``), as the
+    engine does; no MPI and no execution. Socket calls count, waiting does not."""
+    import threading
+
+    from lightcc.common.controller import Coordinator
+    from lightcc.common.messages import Batch
+    from lightcc.common.negotiator import Negotiator
+    from lightcc.common.transport import ControlPlane
+    from tests.doubles.fake_nccl import ThreadMPIComm, _Group
+
+    reqs = model_requests()
+    group, barrier = _Group(size), threading.Barrier(size)
+    per_rank: list[list[float]] = [[] for _ in range(size)]
+    errors: list[BaseException] = []
+
+    def rank(r: int) -> None:
+        try:
+            plane = ControlPlane(ThreadMPIComm(group, r), ["h"] * size, fanout=fanout)
+            coord = Coordinator(size, 4 * TENSORS, 0.0, 1 << 40) if r == 0 else None
+            neg = Negotiator(r, size, 4 * TENSORS, fanout, coordinator=coord)
+
+            def up() -> None:
+                data = neg.outgoing()
+                if data is not None:
+                    plane.send(neg.parent, data)
+
+            def apply(data: bytes) -> int:
+                for child in neg.children:
+                    plane.send(child, data)
+                batch = Batch.decode(data)
+                neg.absorb(batch)
+                up()
+                return len(batch.items)
+
+            for s in range(steps + 2):          # full requests, one warm step, timed steps
+                barrier.wait(120)
+                t0 = _clock()
+                for q in reqs:
+                    neg.submit_named(q)
+                up()
+                got = 0
+                while got < TENSORS:
+                    if coord is not None:
+                        batch = coord.tick()
+                        if batch is not None:
+                            got += apply(batch.encode())
+                            continue
+                    for src, data in plane.poll(1.0):
+                        if src == neg.parent:
+                            got += apply(data)
+                        else:
+                            neg.from_child(src, data)
+                    up()
+                if s >= 2:
+                    per_rank[r].append(_clock() - t0)
+            barrier.wait(120)
+            plane.close()
+        except BaseException as exc:   # noqa: BLE001 - reported below
+            errors.append(exc)
+            barrier.abort()
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(size)]
+    gc.disable()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    gc.enable()
+    if errors:
+        raise errors[0]
+    med = [statistics.median(c) for c in per_rank]
+    worst = max(range(size), key=lambda r: med[r])
+    return {"rank0_ms": 1e3 * med[0], "max_ms": 1e3 * med[worst], "max_rank": worst}
+
+
 # ---- the before column, from a git revision ----------------------------------------------------
 def before(rev: str, sizes: list[int], steps: int, limit_s: float) -> dict[int, dict]:
     """Run :func:`star` on the lightcc of ``rev`` (extracted with git archive) in a child."""
@@ -189,6 +269,8 @@ def main() -> None:
     ap.add_argument("--fanout", type=int, default=None, help="default: LCC_CONTROL_FANOUT's")
     ap.add_argument("--before", default=BEFORE_REV, help="git revision for the star, or none")
     ap.add_argument("--slow", action="store_true", help="also time the slow mode (star, now)")
+    ap.add_argument("--transport", default="", help="also run these sizes with ranks as "
+                    "threads over the real control plane, e.g. 2,8,32,128")
     ap.add_argument("--before-limit", type=float, default=600.0, help="s per size")
     ap.add_argument("--json", default="", help="write the rows here too")
     ap.add_argument("--child-star", type=int, default=0, help=argparse.SUPPRESS)
@@ -203,33 +285,44 @@ def main() -> None:
     sizes = [int(s) for s in args.sizes.split(",")]
     old = before(args.before, sizes, args.steps, args.before_limit) \
         if args.before != "none" else {}
+    real = [int(s) for s in args.transport.split(",") if s]
     rows = []
-    for size in sizes:
-        row = {"ranks": size, "tree": tree(size, args.steps, fanout)}
-        if args.slow:
+    for size in sorted(set(sizes) | set(real)):
+        row = {"ranks": size}
+        if size in sizes:
+            row["tree"] = tree(size, args.steps, fanout)
+        if size in real:
+            row["sockets"] = transport(size, args.steps, fanout)
+        if args.slow and size in sizes:
             row["slow"] = star_now(size, args.steps if size <= 512 else 1)
         if size in old:
             row["star"] = old[size]
         rows.append(row)
         print(f"# {size} ranks done", file=sys.stderr, flush=True)
-    base = rows[0]["tree"]["rank0_ms"] if rows and rows[0]["ranks"] == 2 else None
+    base = rows[0]["tree"]["rank0_ms"] if rows and "tree" in rows[0] and rows[0]["ranks"] == 2 \
+        else None
     print(f"control-plane CPU per step, {TENSORS} cached tensors, fanout {fanout} "
           f"(median of {args.steps} steps; before = star at {args.before})")
     head = "| ranks | before: rank 0 ms | before: µs per rank |"
     head += " slow mode now: rank 0 ms |" if args.slow else ""
     head += " after: rank 0 ms | after: µs per rank | after: max of any rank ms | " \
             "max / 2-rank rank 0 | tree depth |"
+    head += " over sockets: rank 0 ms | over sockets: max ms |" if real else ""
     print(head)
     print("|" + "---|" * (head.count("|") - 1))
+    nan = {"rank0_ms": float("nan"), "max_ms": float("nan"), "max_rank": "-", "depth": "-"}
     for row in rows:
-        n, t = row["ranks"], row["tree"]
+        n, t = row["ranks"], row.get("tree", nan)
         b = row.get("star", {}).get("rank0_ms", float("nan"))
         line = f"| {n:,} | {b:,.1f} | {1e3 * b / n:,.0f} |"
         if args.slow:
-            line += f" {row['slow']['rank0_ms']:,.1f} |"
+            line += f" {row.get('slow', nan)['rank0_ms']:,.1f} |"
         ratio = f"{t['max_ms'] / base:.2f}" if base else "-"
         line += (f" {t['rank0_ms']:.3f} | {1e3 * t['rank0_ms'] / n:,.2f} | {t['max_ms']:.3f} "
                  f"(rank {t['max_rank']}) | {ratio} | {t['depth']} |")
+        if real:
+            k = row.get("sockets", nan)
+            line += f" {k['rank0_ms']:.3f} | {k['max_ms']:.3f} (rank {k['max_rank']}) |"
         print(line)
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))

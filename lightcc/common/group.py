@@ -75,12 +75,13 @@ class Group:
     direct: Any = None             # direct.DirectPath: blocking unnamed small allreduces
 
     def __post_init__(self) -> None:
+        self._where = {r: i for i, r in enumerate(self.ranks)}
         self._push_chunks()
 
     # -- membership ----------------------------------------------------------------------------
     def index(self, world_rank: int) -> int | None:
         """``world_rank``'s position in the set, or None when it is not a member."""
-        return self.ranks.index(world_rank) if world_rank in self.ranks else None
+        return self._where.get(world_rank)
 
     @property
     def size(self) -> int:

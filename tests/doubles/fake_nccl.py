@@ -281,6 +281,9 @@ class ThreadMPIComm:
     def bcast(self, obj: Any, root: int = 0) -> Any:
         return self._x(obj)[root]
 
+    def allgather(self, obj: Any) -> list:
+        return self._x(obj)
+
     def Barrier(self) -> None:  # noqa: N802
         self._x(None)
 
