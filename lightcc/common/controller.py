@@ -181,6 +181,8 @@ class Coordinator:
                 req = self.cache.get(cid).request
                 got = info[cid] = (req.key, req.nbytes, req.coll == Coll.ALLREDUCE)
             key, nbytes, allreduce = got
+            if key in self.pending:       # a late report of an earlier round: this one wins
+                self._drop(key)
             if not self._ready:
                 self._ready_since = self.clock()
             self._ready[key] = cid
@@ -393,6 +395,14 @@ class Coordinator:
                 self._ready_bytes -= req.nbytes
             if not _is_ordered(key):
                 del self._ready[key]
+
+    def _drop(self, key: tuple) -> None:
+        entry = self.pending.pop(key)
+        self._forget_name(key)
+        if entry.ready_at is None:
+            self._open -= 1
+        else:
+            self._unready(key, entry)
 
     def _replace(self, key: tuple, item: OrderedItem) -> None:
         """An error for an ordered position already complete (ready, or parked behind an

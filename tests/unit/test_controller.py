@@ -407,3 +407,19 @@ def test_a_member_that_leaves_fails_an_answered_ordered_position_in_its_place():
     batch = coord.tick()
     assert [i.payload.error_kind for i in batch.items if isinstance(i, OrderedItem)] == \
         ["shutdown"]                                # position 1 needs rank 2 as well
+
+
+def test_a_late_report_of_an_earlier_round_yields_to_the_tree_agreement():
+    """Rank 1's report of round 1 arrives after round 1 failed (a stall error raced with it);
+    round 2 is then agreed in the control tree: one answer, the cache id, and nothing left
+    pending from the late report."""
+    from lightcc.common.messages import Report
+
+    coord, _ = make()
+    submit(coord, 0, ar("a"))
+    submit(coord, 1, ar("a"))
+    coord.tick()                                   # 'a' is cached as id 0 from here on
+    submit(coord, 1, cached=[0])                   # the late one
+    coord.take(Report(named=1 << 0))               # round 2, complete in the tree
+    assert coord.tick().items == [0]
+    assert not coord.pending and coord.next_deadline() > 0
