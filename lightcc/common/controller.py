@@ -341,8 +341,7 @@ class Coordinator:
             self._ready_urgent = False
             for key, payload in ready.items():
                 items.append(self._respond(key, payload, batch_joined))
-        alive = set(range(self.size)) - self.gone
-        if self.joined and alive <= set(self.joined):
+        if self.joined and len(self.gone | set(self.joined)) == self.size:   # all alive joined
             items.append(Response(Request(Coll.JOIN, "join"), value=self.joined[-1]))
             self.joined = []
             self._rescan = True
