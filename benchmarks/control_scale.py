@@ -16,9 +16,12 @@ all of them).
   highest of any rank.
 * **over sockets** (``--transport``, this checkout): the tree again, each rank a thread with its
   own control plane (TCP on loopback, frames, ``select``): socket calls count too.
+* ``--engine-pairs N``: the real engine on 2 ranks (mpirun), before and after alternated: 164
+  four-byte named allreduces per step, one fused bucket, so negotiation is most of the step.
 
-    python benchmarks/control_scale.py                      # 2 ... 4096, before = 8a... (below)
+    python benchmarks/control_scale.py --slow --transport 2,8,32,128,512,1024
     python benchmarks/control_scale.py --sizes 2,8,64 --before none
+    python benchmarks/control_scale.py --engine-pairs 6      # the real engine, 2 ranks
 
 Times are CPU time (``time.thread_time``) per step, median over the timed steps (per rank in the
 tree), with the garbage collector paused while a step is timed. ``--before REV`` runs the
@@ -239,16 +242,84 @@ def transport(size: int, steps: int, fanout: int) -> dict:
     return {"rank0_ms": 1e3 * med[0], "max_ms": 1e3 * med[worst], "max_rank": worst}
 
 
+# ---- the real engine, before and after: a negotiation-bound step on 2 ranks ----------------------
+def engine_worker(blocks: int) -> None:
+    """Under mpirun: 164 four-byte named allreduces per step (one fused bucket), submitted
+    then waited for; prints rank 0's wall and process CPU (all threads) ms per step, medians
+    over blocks of 20 steps."""
+    import numpy as np
+
+    import lightcc as lcc
+
+    lcc.init()
+    xs = [np.ones(1, np.float32) for _ in range(TENSORS)]
+    names = [f"p{i}" for i in range(TENSORS)]
+
+    def step() -> None:
+        for h in [lcc.allreduce_async(x, name=n) for x, n in zip(xs, names)]:
+            lcc.synchronize(h)
+
+    for _ in range(20):
+        step()
+    walls, cpus = [], []
+    for _ in range(blocks):
+        lcc.barrier()
+        w0, c0 = time.perf_counter(), time.process_time()
+        for _ in range(20):
+            step()
+        walls.append((time.perf_counter() - w0) / 20e-3)
+        cpus.append((time.process_time() - c0) / 20e-3)
+    if lcc.rank() == 0:
+        print(json.dumps({"wall_ms": statistics.median(walls),
+                          "cpu_ms": statistics.median(cpus)}), flush=True)
+    lcc.shutdown()
+
+
+def engine_ab(rev: str, pairs: int, blocks: int) -> list[tuple[dict, dict]]:
+    """``pairs`` runs of :func:`engine_worker` on 2 ranks, before (``rev``) and after (this
+    checkout) alternated, the order swapped every pair (drift on a shared machine cancels)."""
+    sys.path.insert(0, str(REPO))
+    from tests.mpi_harness import mpirun_base
+
+    out = []
+    with _checkout(rev) as old:
+        for i in range(pairs):
+            got = {}
+            for which in (("before", "after") if i % 2 == 0 else ("after", "before")):
+                env = dict(os.environ, PYTHONPATH=old if which == "before" else str(REPO))
+                res = subprocess.run(mpirun_base(2) + [sys.executable, __file__,
+                                                       "--child-engine", str(blocks)],
+                                     env=env, capture_output=True, text=True, timeout=600,
+                                     check=True)
+                got[which] = json.loads(res.stdout.strip().splitlines()[-1])
+            out.append((got["before"], got["after"]))
+    return out
+
+
 # ---- the before column, from a git revision ----------------------------------------------------
+class _checkout:
+    """``with _checkout(rev) as path``: lightcc of git revision ``rev`` in a temporary dir."""
+
+    def __init__(self, rev: str) -> None:
+        self.rev = rev
+        self.tmp = tempfile.TemporaryDirectory()
+
+    def __enter__(self) -> str:
+        tar = Path(self.tmp.name) / "src.tar"
+        subprocess.run(["git", "-C", str(REPO), "archive", "-o", str(tar), self.rev,
+                        "lightcc"], check=True)
+        with tarfile.open(tar) as tf:
+            tf.extractall(self.tmp.name, filter="data")
+        return self.tmp.name
+
+    def __exit__(self, *exc) -> None:
+        self.tmp.cleanup()
+
+
 def before(rev: str, sizes: list[int], steps: int, limit_s: float) -> dict[int, dict]:
     """Run :func:`star` on the lightcc of ``rev`` (extracted with git archive) in a child."""
     out: dict[int, dict] = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        tar = Path(tmp) / "src.tar"
-        subprocess.run(["git", "-C", str(REPO), "archive", "-o", str(tar), rev, "lightcc"],
-                       check=True)
-        with tarfile.open(tar) as tf:
-            tf.extractall(tmp, filter="data")
+    with _checkout(rev) as tmp:
         env = dict(os.environ, PYTHONPATH=tmp)
         for size in sizes:
             n = steps if size <= 512 else 1
@@ -273,10 +344,31 @@ def main() -> None:
                     "threads over the real control plane, e.g. 2,8,32,128")
     ap.add_argument("--before-limit", type=float, default=600.0, help="s per size")
     ap.add_argument("--json", default="", help="write the rows here too")
+    ap.add_argument("--engine-pairs", type=int, default=0, help="instead: this many "
+                    "before/after pairs of a negotiation-bound step in the real engine, 2 ranks")
     ap.add_argument("--child-star", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--child-engine", type=int, default=0, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child_star:
         print(json.dumps(star(args.child_star, args.steps)))
+        return
+    if args.child_engine:
+        engine_worker(args.child_engine)
+        return
+    if args.engine_pairs:
+        pairs = engine_ab(args.before, args.engine_pairs, 10)
+        print(f"engine, 2 ranks, {TENSORS} four-byte named allreduces per step: rank 0's ms "
+              f"per step, before ({args.before}) / after, pairs alternated")
+        print("| pair | before wall | after wall | after / before | before CPU | after CPU | "
+              "after / before |")
+        print("|---|---|---|---|---|---|---|")
+        for i, (b, a) in enumerate(pairs, 1):
+            print(f"| {i} | {b['wall_ms']:.2f} | {a['wall_ms']:.2f} | "
+                  f"{a['wall_ms'] / b['wall_ms']:.2f} | {b['cpu_ms']:.2f} | {a['cpu_ms']:.2f} | "
+                  f"{a['cpu_ms'] / b['cpu_ms']:.2f} |")
+        wr = statistics.median(a["wall_ms"] / b["wall_ms"] for b, a in pairs)
+        cr = statistics.median(a["cpu_ms"] / b["cpu_ms"] for b, a in pairs)
+        print(f"median after / before: wall {wr:.2f}, CPU {cr:.2f}")
         return
     sys.path.insert(0, str(REPO))
     from lightcc.common.negotiation import DEFAULT_FANOUT
