@@ -5,6 +5,7 @@ One command prints one table (images/s over all ranks, and ratios to a baseline 
     python benchmarks/training.py                         # 2 ranks on this machine
     python benchmarks/training.py --models resmlp --configs lightcc,ddp --rounds 5
     sudo python benchmarks/training.py --netns            # 2 simulated hosts, 1 Gbit link
+    sudo python benchmarks/training.py --netns --ranks-per-host 2   # 2 hosts x 2 ranks
 
 Columns (``--configs``, comma separated):
 
@@ -353,7 +354,10 @@ def launch(args: argparse.Namespace, extra: list[str], np_: int) -> list[dict]:
             # two TCP connections per pair of ranks, as lccrun launches a job (and as
             # lcc.init() sets for plain mpirun when it starts MPI itself): on one connection
             # Open MPI's rendezvous replies queue behind a rank's own outgoing data
-            cmd = sim.mpirun_cmd(1, num_links=2) + cmd_tail
+            # ranks of one simulated host share memory (btl sm), as on a real node
+            per_host = args.ranks_per_host
+            cmd = sim.mpirun_cmd(per_host, num_links=2,
+                                 btl="tcp,sm,self" if per_host > 1 else "tcp,self") + cmd_tail
             out = _run(cmd, env, args.timeout)
     else:
         out = _run(_mpirun_local(np_) + cmd_tail, env, args.timeout)
@@ -438,8 +442,10 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     parser.add_argument("--netns", action="store_true",
-                        help="one rank on each of --np simulated hosts behind --rate links")
+                        help="--np simulated hosts behind --rate links (--ranks-per-host)")
     parser.add_argument("--rate", default="1gbit")
+    parser.add_argument("--ranks-per-host", type=int, default=1,
+                        help="with --netns: ranks on each simulated host (shared memory)")
     parser.add_argument("--cpu", action="store_true", help="add the engine's CPU share")
     parser.add_argument("--engine-cost", action="store_true",
                         help="also print the per-tensor engine cost (single rank)")
@@ -462,7 +468,10 @@ def main() -> None:
                    f"--batch-size={args.batch_size}", f"--iters={args.iters}",
                    f"--warmup={args.warmup}", f"--rounds={args.rounds}",
                    f"--threads={args.threads}", f"--port={args.port}"]
-    where = (f"{args.np_} simulated hosts x 1 rank, {args.rate} links" if args.netns
+    if args.ranks_per_host < 1 or (args.ranks_per_host > 1 and not args.netns):
+        parser.error("--ranks-per-host must be >= 1 and needs --netns")
+    where = (f"{args.np_} simulated hosts x {args.ranks_per_host} rank(s), {args.rate} links"
+             if args.netns
              else f"{args.np_} ranks on one machine")
     print(f"# training throughput, {where}; batch {args.batch_size}/rank, {args.threads} torch "
           f"thread(s)/rank, {args.iters} timed steps x {args.rounds} rounds; img/s best "
