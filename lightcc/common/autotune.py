@@ -145,7 +145,7 @@ class Autotuner:
         self.engine.coordinator.pending_settings.update(setting.as_settings())
 
     def _first_step(self, step: Step) -> None:
-        from .. import __version__
+        from .._version import __version__
 
         topo = self.engine.topo
         cluster = cache.cluster_fingerprint(topo.node_of_rank,

@@ -25,7 +25,7 @@ import numpy as np
 
 from . import algorithms, dtypes, executor, fusion
 from .backends import staged
-from .backends.base import displacements, even_counts
+from .arrays import displacements, even_counts
 from .compression.base import BucketContext
 from .device import Completion, record_event
 from .group import Group

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from . import algorithms, device_exec, dtypes, faults, fusion
-from .backends.base import displacements, even_counts
+from .arrays import displacements, even_counts
 from .compression.base import BucketContext
 from .group import Group
 from .messages import Coll, Response

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from .backends.base import Communicator
+from .comm import Communicator
 
 
 @dataclass

@@ -20,10 +20,10 @@ from __future__ import annotations
 import logging
 from typing import Any, Callable, Iterator, Sequence
 
-from ..backends.base import Communicator, even_counts, num_pieces, sub_blocks
+from ..comm import Communicator
+from ..arrays import even_counts, num_pieces, sub_blocks, empty, reduce_into, uses_compressor
 from ..compression.base import BucketContext, Compressor
 from ..topology import Topology
-from ._ops import empty, reduce_into, uses_compressor
 
 log = logging.getLogger("lightcc")
 

@@ -18,7 +18,8 @@ from typing import Any, Sequence
 import numpy as np
 
 from ..tracing import NULL
-from .base import WireStats, displacements, num_pieces, sub_blocks
+from ..arrays import displacements, num_pieces, sub_blocks
+from ..comm import WireStats
 
 log = logging.getLogger("lightcc")
 
@@ -170,7 +171,7 @@ def agree_over(comm: Any, rank: int, size: int, failed: bool, what: str,
 
 
 class MPICommunicator:
-    """A group of MPI ranks (see ``backends.base.Communicator``)."""
+    """A group of MPI ranks (see ``comm.Communicator``)."""
 
     is_device = False
 

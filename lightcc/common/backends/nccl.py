@@ -37,7 +37,8 @@ import numpy as np
 from ..dtypes import BITWISE
 from ..exceptions import CollectiveError, InvalidArgumentError, LightCCError
 from ..kernels import cuda as kc
-from .base import WireStats, displacements
+from ..arrays import displacements
+from ..comm import WireStats
 
 log = logging.getLogger("lightcc")
 

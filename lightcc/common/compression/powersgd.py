@@ -28,10 +28,10 @@ from typing import Any
 
 import numpy as np
 
-from ..backends.base import Communicator
+from ..comm import Communicator
 from ..exceptions import ConfigError
-from . import register
-from ..algorithms._ops import array_module, host_copy, like
+from .registry import register
+from ..arrays import array_module, host_copy, like
 from .base import BucketContext
 from .memory import ResidualMemory, expire, segments
 

@@ -17,10 +17,10 @@ from typing import Any
 
 import numpy as np
 
-from ..backends.base import Communicator
+from ..comm import Communicator
 from ..exceptions import ConfigError
-from ..algorithms._ops import array_module
-from . import register
+from ..arrays import array_module
+from .registry import register
 from .base import BucketContext
 from .gpu import codec_module
 from .memory import ResidualMemory, segments

@@ -35,9 +35,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from ..backends.base import Communicator, displacements, even_counts
-from ..backends.base import num_pieces as _num_pieces
-from ..algorithms._ops import array_module
+from ..comm import Communicator
+from ..arrays import displacements, even_counts, num_pieces as _num_pieces, array_module
 from .base import BucketContext
 
 #: fp32 bytes per piece of the pipelined scheme (chunks up to this size use the collective one).

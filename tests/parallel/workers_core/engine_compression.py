@@ -17,7 +17,7 @@ import numpy as np
 
 import lightcc as lcc
 from lightcc.common import algorithms, api
-from lightcc.common.backends.base import even_counts
+from lightcc.common.arrays import even_counts
 from lightcc.common.compression import available_compressors
 from lightcc.common.compression.powersgd import PowerSGDCompressor
 
