@@ -26,11 +26,11 @@ from typing import Any, Sequence
 import numpy as np
 
 from . import config as config_mod
-from . import device, direct, dtypes, mca
+from . import device, dtypes, mca
 from .device import DeviceTensor
 from .engine import Engine, Handle
-from .exceptions import (InvalidArgumentError, LightCCError, NotInitializedError,
-                         UnsupportedDTypeError)
+from .exceptions import InvalidArgumentError, NotInitializedError, UnsupportedDTypeError
+from .execution import direct
 from .messages import SHARED_STREAM, Coll, Request
 
 Sum = "sum"
@@ -106,18 +106,10 @@ def init(comm: Any = None, process_sets: Sequence[ProcessSet] | None = None,
         cfg = config_mod.load(overrides)
         _setup_logging(cfg.log_level)
         mca.apply(cfg.num_links)
-        from mpi4py import MPI
+        from .backends import mpi
 
-        if MPI.Query_thread() < MPI.THREAD_SERIALIZED:
-            raise LightCCError("MPI was initialized without thread support; lightcc needs "
-                               "MPI_THREAD_SERIALIZED or better (do not set "
-                               "mpi4py.rc.thread_level below 'serialized')")
-        if comm is None:
-            comm = MPI.COMM_WORLD
-        elif isinstance(comm, (list, tuple)):
-            comm = MPI.COMM_WORLD.Create_group(MPI.COMM_WORLD.Get_group().Incl(list(comm)))
-        hostnames = comm.allgather(MPI.Get_processor_name())
-        _engine = Engine(cfg, comm, hostnames)
+        base, hostnames = mpi.bootstrap(comm)
+        _engine = Engine(cfg, base, hostnames)
         from .kernels import _threads
 
         _threads.configure(cfg.codec_threads, hostnames.count(hostnames[_engine.rank]))

@@ -25,19 +25,19 @@ import logging
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass
 from typing import Any
 
-from . import executor, fusion
-from .backends.mpi import MPICommunicator
+from .backends.mpi import MPICommunicator, thread_multiple
 from .config import Config
 from .controller import Coordinator
-from .direct import DirectPath
-from .exceptions import (CollectiveError, DuplicateNameError, InvalidArgumentError,
-                         LightCCError, MismatchError, ShutdownError, StallError)
-from .messages import COLL_NAMES, ORDERED, SHARED_STREAM, Batch, Coll, OrderedItem, Request, \
-    Response
-from .group import ExecSettings, Group
+from .exceptions import DuplicateNameError, InvalidArgumentError, LightCCError, ShutdownError
+from .execution import fusion
+from .execution.direct import DirectPath
+from .execution.group import ExecSettings, Group
+from .execution.run import run as run_bucket
+from .execution.shared import LocalEntry
+from .messages import (COLL_NAMES, ORDERED, SHARED_STREAM, Batch, Coll, OrderedItem, Request,
+                       Response)
 from .negotiation import demote_after
 from .negotiator import Negotiator
 from .topology import Topology, build
@@ -91,10 +91,6 @@ def _stream_name(coll: Coll, stream: int, seq: int, label: str | None) -> str:
     if stream == SHARED_STREAM:
         return f"ordered.{seq}"
     return f"{COLL_NAMES[Coll(stream)]}.noname.{seq}"
-
-
-_ERROR_TYPES = {"mismatch": MismatchError, "stall": StallError, "shutdown": ShutdownError,
-                "join": MismatchError}
 
 
 def _ranks_text(ranks: list[int]) -> str:
@@ -183,19 +179,19 @@ class Handle:
 class Engine:
     """One process's lightcc runtime (see module docstring)."""
 
-    def __init__(self, config: Config, mpi_comm: Any, hostnames: list[str]) -> None:
+    def __init__(self, config: Config, base: MPICommunicator, hostnames: list[str]) -> None:
         self.config = config
-        world = MPICommunicator(mpi_comm.Dup(), "world")
+        world = base.dup("world")
         self.hostnames = hostnames
         self.topo = build(world, hostnames, config.local_size)
         self.rank, self.size = world.rank, world.size
-        self._plane = ControlPlane(mpi_comm, hostnames, config.control_addr,
+        self._plane = ControlPlane(base.comm, hostnames, config.control_addr,
                                    config.control_fanout)
         self.settings = ExecSettings.from_config(config)
         self.groups: dict[int, Group] = {0: Group(0, tuple(range(self.size)), self.topo,
                                                   self.settings, progress=self._pump,
                                                   direct=self._direct_path(
-                                                      mpi_comm, tuple(range(self.size))))}
+                                                      base, tuple(range(self.size))))}
         self.tracer: Tracer = NULL
         self.batches = 0                     # batches executed
         self.coordinator = (Coordinator(self.size, config.cache_capacity,
@@ -215,8 +211,8 @@ class Engine:
         self._drivers = 0                    # user threads currently driving progress
         self._bg_sleeping = False            # the background thread is (about to be) asleep
         self._drv_sleeping = False           # a driving thread is (about to be) blocked
-        self._queue: list[executor.LocalEntry] = []
-        self._inflight: dict[tuple, executor.LocalEntry] = {}
+        self._queue: list[LocalEntry] = []
+        self._inflight: dict[tuple, LocalEntry] = {}
         self._streams: dict[tuple[int, int], deque] = {}   # (pset, stream) -> entries
         self._seq: dict[tuple[int, int], int] = {}          # (pset, stream) -> next seq
         self._joined = False
@@ -294,7 +290,7 @@ class Engine:
                 request = request._replace(name=_stream_name(request.coll, stream, seq, label))
                 handle.request = request
                 key = (ORDERED, request.pset, stream, seq)
-            entry = executor.LocalEntry(key, array, out, handle, now, request, stream)
+            entry = LocalEntry(key, array, out, handle, now, request, stream)
             if stream is not None:
                 self._streams.setdefault(sk, deque()).append(entry)
             self._inflight[key] = entry
@@ -663,7 +659,7 @@ class Engine:
             self._plans[key] = buckets
         return buckets
 
-    def _take_ordered(self, pset: int, stream: int) -> executor.LocalEntry | None:
+    def _take_ordered(self, pset: int, stream: int) -> LocalEntry | None:
         """This rank's next request on an ordered stream (None when it did not submit one:
         it has joined, or is not a member; a joined member skips the position). Called with
         ``_lock`` held."""
@@ -677,77 +673,18 @@ class Engine:
         return None
 
     def _execute_bucket(self, resps: list[Response], entries: list) -> None:
-        first = resps[0]
-        if first.error:
-            exc_type = _ERROR_TYPES.get(first.error_kind, LightCCError)
-            if entries[0] is not None:
-                entries[0].handle._set(error=exc_type(first.error))
-            elif first.error_kind == "stall":
-                log.error("%s", first.error)
-            return
-        req = first.request
-        if req.coll == Coll.ADD_PSET:
-            self._add_pset(first)
-        elif req.coll == Coll.REMOVE_PSET:
-            self._remove_pset(req.root)
-        group = self.groups.get(req.pset)
-        if group is None or group.topo is None:
-            for e in entries:   # not a member: nothing to do (members only submit)
-                if e is not None:
-                    e.handle._set(error=InvalidArgumentError(f"process set {req.pset} is gone"))
-            return
-        if all(e is None for e in entries) and not (self._joined and
-                                                    req.coll == Coll.ALLREDUCE):
-            return
-        tracer = self.tracer
-        start = time.perf_counter()
-        if tracer.enabled:
-            for e, r in zip(entries, resps):
-                if e is not None:
-                    tracer.span(r.request.name, "QUEUE", e.submitted_at, e.sent_at)
-                    tracer.span(r.request.name, "NEGOTIATE", e.sent_at, start)
-        self._notify("bucket_start", responses=resps)
-        agreed = executor.needs_agreement(group, resps)
-        local_exc: Exception | None = None
-        failed: list[int] = []
-        if agreed:
-            executor.prepare_agreement(group)
-        try:
-            if req.coll == Coll.ALLREDUCE:
-                results = executor.allreduce_bucket(group, resps, entries)
-            else:
-                results = [executor.execute_single(group, first, entries[0])]
-                if tracer.enabled:
-                    tracer.span(req.name, req.coll.name, start, time.perf_counter())
-        except Exception as exc:
-            local_exc = exc
-        if agreed:
-            failed = [group.ranks[i] for i in
-                      executor.agree(group, local_exc is not None, req.describe())]
-        if local_exc is not None or failed:
-            self._fail_bucket(resps, entries, local_exc, failed)
-            return
-        self._notify("bucket_done", responses=resps, seconds=time.perf_counter() - start)
-        if req.coll == Coll.JOIN:
+        """Process-set changes here (they change the engine's groups), then the bucket through
+        execution's door, which completes its handles."""
+        req = resps[0].request
+        if not resps[0].error:
+            if req.coll == Coll.ADD_PSET:
+                self._add_pset(resps[0])
+            elif req.coll == Coll.REMOVE_PSET:
+                self._remove_pset(req.root)
+        ok = run_bucket(self.groups.get(req.pset), resps, entries, self._joined, self.tracer,
+                        self._notify)
+        if ok and req.coll == Coll.JOIN:
             self._joined = False
-        for e, res in zip(entries, results):
-            if e is not None:
-                e.handle._set(result=res)
-
-    def _fail_bucket(self, resps: list[Response], entries: list, exc: Exception | None,
-                     failed: list[int]) -> None:
-        """Fail every handle of a bucket that failed here or (agreed) on another rank."""
-        what = resps[0].request.describe()
-        if len(resps) > 1:
-            what += f" (bucket of {len(resps)} tensors)"
-        ranks = failed or [self.rank]
-        where = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranks}"
-        detail = f": {exc}" if exc is not None else " (see that rank's error for the cause)"
-        for e in entries:
-            if e is not None:
-                err = CollectiveError(f"{what} failed on {where}{detail}")
-                err.__cause__ = exc
-                e.handle._set(error=err)
 
     def _notify(self, event: str, **info: Any) -> None:
         for listener in self.listeners:
@@ -770,15 +707,13 @@ class Engine:
             if "fusion_threshold" in settings:
                 self.coordinator.fusion_threshold = self.settings.fusion_threshold
 
-    def _direct_path(self, comm: Any, ranks: tuple[int, ...]) -> Any:
+    def _direct_path(self, comm: MPICommunicator, ranks: tuple[int, ...]) -> Any:
         """A process set's direct path (collective over ``comm``: it duplicates it), or None
         when LCC_DIRECT_BYTES is 0 or MPI lacks MPI_THREAD_MULTIPLE (the calling thread would
         use MPI beside the engine's)."""
-        from mpi4py import MPI
-
-        if self.config.direct_bytes <= 0 or MPI.Query_thread() < MPI.THREAD_MULTIPLE:
+        if self.config.direct_bytes <= 0 or not thread_multiple():
             return None
-        return DirectPath(comm.Dup(), ranks, self.config.stall_check_time,
+        return DirectPath(comm.dup("direct"), ranks, self.config.stall_check_time,
                           self.config.stall_shutdown_time)
 
     def _add_pset(self, resp: Response) -> None:
@@ -789,7 +724,7 @@ class Engine:
             hosts = [self.hostnames[r] for r in ranks]
             topo = build(sub, hosts, self.config.local_size)
             group = Group(resp.value, ranks, topo, self.settings, progress=self._pump,
-                          direct=self._direct_path(sub.comm, ranks))
+                          direct=self._direct_path(sub, ranks))
             group.set_tracer(self.tracer)
         else:
             sub.free()

@@ -108,9 +108,9 @@ def agreement_timeout() -> float:
 def _world_rank() -> int:
     global _rank
     if _rank is None:
-        from mpi4py import MPI
+        from .backends.mpi import world_rank_size
 
-        _rank = MPI.COMM_WORLD.Get_rank()
+        _rank = world_rank_size()[0]
     return _rank
 
 

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from lightcc.common import config, dtypes, fusion, topology
+from lightcc.common import config, dtypes, topology
+from lightcc.common.execution import fusion
 from lightcc.common.exceptions import ConfigError, UnsupportedDTypeError
 from lightcc.common.messages import Coll, Request, Response
 

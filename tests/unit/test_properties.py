@@ -10,7 +10,8 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from lightcc.common import api, config, dtypes, faults, fusion
+from lightcc.common import api, config, dtypes, faults
+from lightcc.common.execution import fusion
 from lightcc.common.cache import ResponseCache
 from lightcc.common.controller import Coordinator, validate
 from lightcc.common.exceptions import ConfigError, InvalidArgumentError

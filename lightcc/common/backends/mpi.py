@@ -17,9 +17,10 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from ..tracing import NULL
 from ..arrays import displacements, num_pieces, sub_blocks
 from ..comm import WireStats
+from ..exceptions import LightCCError
+from ..tracing import NULL
 
 log = logging.getLogger("lightcc")
 
@@ -47,6 +48,15 @@ def _mpi():
 
 _OPS = {"sum": "SUM", "min": "MIN", "max": "MAX", "prod": "PROD", "band": "BAND", "bor": "BOR",
         "bxor": "BXOR"}
+_MPI_OPS: dict[str, Any] = {}      # op string -> MPI.Op, filled on first use
+_MPI_TYPES: dict[Any, Any] = {}    # NumPy dtype -> MPI datatype, filled on first use
+
+
+def _mpi_op(op: str) -> Any:
+    mop = _MPI_OPS.get(op)
+    if mop is None:
+        mop = _MPI_OPS[op] = getattr(_mpi(), _OPS[op])
+    return mop
 
 
 def _as_bytes(buf: np.ndarray) -> np.ndarray:
@@ -97,6 +107,29 @@ class _Req:
     @property
     def nbytes(self) -> int:
         return int(self._status.Get_count(_mpi().BYTE))
+
+
+def bootstrap(comm: Any = None) -> tuple["MPICommunicator", list[str]]:
+    """The communicator lightcc runs on and every member's host name (collective).
+
+    ``comm``: None for the world, an mpi4py communicator, or a list of world ranks (a
+    communicator of those ranks is made). Raises LightCCError when MPI lacks thread support.
+    """
+    MPI = _mpi()
+    if MPI.Query_thread() < MPI.THREAD_SERIALIZED:
+        raise LightCCError("MPI was initialized without thread support; lightcc needs "
+                           "MPI_THREAD_SERIALIZED or better (do not set "
+                           "mpi4py.rc.thread_level below 'serialized')")
+    if comm is None:
+        comm = MPI.COMM_WORLD
+    elif isinstance(comm, (list, tuple)):
+        comm = MPI.COMM_WORLD.Create_group(MPI.COMM_WORLD.Get_group().Incl(list(comm)))
+    return MPICommunicator(comm, "base"), comm.allgather(MPI.Get_processor_name())
+
+
+def library_version() -> str:
+    """The MPI library's version string (e.g. "Open MPI v5.0.8, ...")."""
+    return _mpi().Get_library_version()
 
 
 def thread_multiple() -> bool:
@@ -189,18 +222,39 @@ class MPICommunicator:
 
     # -- reductions ---------------------------------------------------------------------------
     def _mpi_type(self, dtype: np.dtype) -> Any:
+        mtype = _MPI_TYPES.get(dtype)
+        if mtype is None:
+            try:
+                mtype = _MPI_TYPES[dtype] = _mpi()._typedict[np.dtype(dtype).char]
+            except KeyError:
+                raise TypeError(f"MPI backend cannot reduce dtype {np.dtype(dtype)}") from None
+        return mtype
+
+    def iallreduce(self, sendbuf: np.ndarray, recvbuf: np.ndarray | None = None,
+                   op: str = "sum") -> _Req:
+        """Start reducing ``sendbuf`` over all ranks into ``recvbuf`` (None: in place). Not
+        counted in :attr:`stats` (the direct path's small calls; it has a communicator of its
+        own that ``lightcc.stats()`` does not list)."""
         MPI = _mpi()
-        try:
-            return MPI._typedict[np.dtype(dtype).char]
-        except KeyError:
-            raise TypeError(f"MPI backend cannot reduce dtype {np.dtype(dtype)}") from None
+        mtype = self._mpi_type(sendbuf.dtype)
+        if recvbuf is None:
+            return _Req(self.comm.Iallreduce(MPI.IN_PLACE, [sendbuf, mtype], _mpi_op(op)))
+        return _Req(self.comm.Iallreduce([sendbuf, mtype], [recvbuf, mtype], _mpi_op(op)))
+
+    def allgather_object(self, obj: Any) -> list:
+        """Every rank's small picklable ``obj``, in rank order."""
+        return self.comm.allgather(obj)
+
+    def dup(self, name: str) -> "MPICommunicator":
+        """A communicator of the same ranks whose traffic never meets this one's (collective)."""
+        return MPICommunicator(self.comm.Dup(), name)
 
     @_timed("allreduce")
     def allreduce(self, buf: np.ndarray, op: str = "sum") -> None:
         MPI = _mpi()
         flat = buf.reshape(-1)
         mtype = self._mpi_type(flat.dtype)
-        mop = getattr(MPI, _OPS[op])
+        mop = _mpi_op(op)
         step = MAX_CHUNK_ELEMS
         if self.chunk_bytes > 0:
             step = max(1, min(step, self.chunk_bytes // flat.itemsize))

@@ -151,7 +151,7 @@ for spec in [c for c in available_compressors() if c != "none"]:
 
 # across hosts a tensor of fusion.MULTI_HOST_DIRECT_BYTES or more is reduced alone and in place,
 # compressed too (with LCC_LOCAL_SIZE the ranks form several simulated nodes)
-from lightcc.common import fusion  # noqa: E402
+from lightcc.common.execution import fusion  # noqa: E402
 
 lcc.shutdown()
 lcc.init(min_compress_bytes=1024)
