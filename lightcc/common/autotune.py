@@ -109,7 +109,7 @@ class Autotuner:
         if event != "bucket_done" or self.state not in ("waiting", "tuning"):
             return
         from .dtypes import itemsize
-        from .messages import Coll
+        from .control.messages import Coll
 
         tensors = []
         for resp in info["responses"]:

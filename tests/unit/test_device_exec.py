@@ -19,7 +19,7 @@ from lightcc.common.backends.staged import StagedCommunicator
 from lightcc.common.engine import Handle
 from lightcc.common.exceptions import LightCCError
 from lightcc.common.execution.group import ExecSettings, Group
-from lightcc.common.messages import Coll, Request, Response
+from lightcc.common.control.messages import Coll, Request, Response
 from lightcc.common.topology import build
 from tests.doubles import fake_cupy, fake_nccl, install
 
@@ -224,7 +224,7 @@ def test_fusion_keeps_host_and_device_apart():
 
 
 def test_controller_reports_host_device_mismatch():
-    from lightcc.common.controller import validate
+    from lightcc.common.control.controller import validate
 
     a = Request(Coll.ALLREDUCE, "g", "float32", (4,), "sum")
     resp = validate((0, 1), {0: a, 1: a._replace(device=True)})

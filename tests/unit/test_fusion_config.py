@@ -6,7 +6,7 @@ import pytest
 from lightcc.common import config, dtypes, topology
 from lightcc.common.execution import fusion
 from lightcc.common.exceptions import ConfigError, UnsupportedDTypeError
-from lightcc.common.messages import Coll, Request, Response
+from lightcc.common.control.messages import Coll, Request, Response
 
 
 def resp(name, n, dtype="float32", op="sum", coll=Coll.ALLREDUCE, error="", **kw):

@@ -29,7 +29,7 @@ from ..backends import staged
 from ..compression.base import BucketContext
 from ..device import Completion, record_event
 from ..kernels import cuda as kc
-from ..messages import Coll, Response
+from ..control.messages import Coll, Response
 from .group import Group
 from .plan import BucketPlan
 from .shared import (WIDENED, bucket_context, bucket_label, finish_scaling, float_factor, nan_mask,

@@ -16,7 +16,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from ..messages import Coll, Response
+from ..control.messages import Coll, Response
 
 
 def effective_compression(resp: Response, min_compress_bytes: int = 0) -> str:

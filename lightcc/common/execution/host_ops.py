@@ -9,7 +9,7 @@ import numpy as np
 
 from .. import dtypes
 from ..arrays import even_counts
-from ..messages import Coll, Response
+from ..control.messages import Coll, Response
 from .group import Group
 from .shared import (fault, finish_scaling, nan_mask, needs_nan_mask, prescale, prod, reduce_dtype,
                      restore_nans)

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from .. import algorithms, faults
-from ..messages import Coll, Response
+from ..control.messages import Coll, Response
 from .fusion import effective_compression
 from .group import Group
 from .shared import prod, reduce_dtype

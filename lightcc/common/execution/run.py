@@ -15,7 +15,7 @@ from typing import Any, Callable
 from .. import faults
 from ..exceptions import (CollectiveError, InvalidArgumentError, LightCCError, MismatchError,
                           ShutdownError, StallError)
-from ..messages import Coll, Response
+from ..control.messages import Coll, Response
 from . import device, host, host_ops
 from .group import Group
 from .plan import BucketPlan, make

@@ -14,7 +14,7 @@ import numpy as np
 from .. import dtypes, faults
 from ..arrays import array_module, displacements
 from ..compression.base import BucketContext
-from ..messages import Response
+from ..control.messages import Response
 from ..tracing import Tracer
 
 

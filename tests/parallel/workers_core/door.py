@@ -10,7 +10,7 @@ import lightcc as lcc
 from lightcc import InvalidArgumentError, NotInitializedError, UnsupportedDTypeError
 from lightcc.common import api
 from lightcc.common.backends import mpi as bmpi
-from lightcc.common.messages import Coll
+from lightcc.common.control.messages import Coll
 
 
 def expect(exc_type, fn, *needles):
