@@ -20,6 +20,8 @@ MAX_LINES = 400
 
 
 def _module_name(path: Path) -> str:
+    if ROOT not in path.parents:
+        return path.stem
     parts = list(path.relative_to(ROOT).with_suffix("").parts)
     if parts[-1] == "__init__":
         parts.pop()

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import threading
 import time
 from typing import Any, Sequence
 
@@ -21,6 +20,21 @@ from ..arrays import displacements, num_pieces, sub_blocks
 from ..comm import WireStats
 from ..exceptions import LightCCError
 from ..tracing import NULL
+
+# re-exported: the door's bootstrap and thread-level calls live in mpi_runtime.py
+from .mpi_runtime import (  # noqa: F401
+    _MPI_TYPES,
+    _OPS,
+    _mpi,
+    _mpi_op,
+    _Req,
+    agree_over,
+    library_version,
+    max_tag,
+    thread_multiple,
+    world_bcast,
+    world_rank_size,
+)
 
 log = logging.getLogger("lightcc")
 
@@ -32,31 +46,6 @@ ALLREDUCE_CHUNK_BYTES = 4 << 20
 MAX_CHUNK_BYTES = 1 << 30  # bytes per data-movement call on the large-message paths
 INT_LIMIT = (1 << 31) - 1  # MPI-3 counts and displacements are C ints
 _LARGE_TAG = 7203          # point-to-point tag of the large alltoallv path
-
-
-_MPI_MODULE = None
-
-
-def _mpi():
-    global _MPI_MODULE
-    if _MPI_MODULE is None:
-        from mpi4py import MPI
-
-        _MPI_MODULE = MPI
-    return _MPI_MODULE
-
-
-_OPS = {"sum": "SUM", "min": "MIN", "max": "MAX", "prod": "PROD", "band": "BAND", "bor": "BOR",
-        "bxor": "BXOR"}
-_MPI_OPS: dict[str, Any] = {}      # op string -> MPI.Op, filled on first use
-_MPI_TYPES: dict[Any, Any] = {}    # NumPy dtype -> MPI datatype, filled on first use
-
-
-def _mpi_op(op: str) -> Any:
-    mop = _MPI_OPS.get(op)
-    if mop is None:
-        mop = _MPI_OPS[op] = getattr(_mpi(), _OPS[op])
-    return mop
 
 
 def _as_bytes(buf: np.ndarray) -> np.ndarray:
@@ -80,35 +69,6 @@ def _timed(call: str):
     return wrap
 
 
-class _Req:
-    """Adapts an mpi4py request to the protocol's ``wait``/``test``/``cancel``; a receive also
-    tells, once complete, the rank it came from (``source``) and its size (``nbytes``)."""
-
-    __slots__ = ("_req", "_status")
-
-    def __init__(self, req: Any, status: Any = None) -> None:
-        self._req, self._status = req, status
-
-    def wait(self) -> None:
-        self._req.Wait(self._status)
-
-    def test(self) -> bool:
-        return bool(self._req.Test(self._status))
-
-    def cancel(self) -> None:
-        """Withdraw a pending receive and wait until MPI has let go of the buffer."""
-        self._req.Cancel()
-        self._req.Wait()
-
-    @property
-    def source(self) -> int:
-        return int(self._status.Get_source())
-
-    @property
-    def nbytes(self) -> int:
-        return int(self._status.Get_count(_mpi().BYTE))
-
-
 def bootstrap(comm: Any = None) -> tuple["MPICommunicator", list[str]]:
     """The communicator lightcc runs on and every member's host name (collective).
 
@@ -127,35 +87,6 @@ def bootstrap(comm: Any = None) -> tuple["MPICommunicator", list[str]]:
     return MPICommunicator(comm, "base"), comm.allgather(MPI.Get_processor_name())
 
 
-def library_version() -> str:
-    """The MPI library's version string (e.g. "Open MPI v5.0.8, ...")."""
-    return _mpi().Get_library_version()
-
-
-def thread_multiple() -> bool:
-    """True when MPI runs with MPI_THREAD_MULTIPLE (threads besides the engine's may call it)."""
-    MPI = _mpi()
-    return MPI.Query_thread() == MPI.THREAD_MULTIPLE
-
-
-def world_bcast(obj: Any, root: int = 0) -> Any:
-    """``root``'s small picklable ``obj`` on every rank of the world (collective; for bootstraps
-    that run before ``init()``, such as the c10d rendezvous)."""
-    return _mpi().COMM_WORLD.bcast(obj, root=root)
-
-
-def world_rank_size() -> tuple[int, int]:
-    """This process's world rank and the world size, from MPI (works before ``init()``)."""
-    comm = _mpi().COMM_WORLD
-    return comm.Get_rank(), comm.Get_size()
-
-
-def max_tag() -> int:
-    """The largest point-to-point tag MPI accepts (MPI_TAG_UB)."""
-    MPI = _mpi()
-    return int(MPI.COMM_WORLD.Get_attr(MPI.TAG_UB))
-
-
 def p2p_communicator(world_ranks: Sequence[int] | None, name: str = "p2p") -> Any:
     """A communicator of its own for point-to-point traffic beside the engine's (collective over
     its members: ``None`` means the whole world, else only the listed world ranks call it), or
@@ -170,37 +101,6 @@ def p2p_communicator(world_ranks: Sequence[int] | None, name: str = "p2p") -> An
         return MPICommunicator(MPI.COMM_WORLD.Create_group(group, tag=4242), name)
     finally:
         group.Free()
-
-
-def agree_over(comm: Any, rank: int, size: int, failed: bool, what: str,
-               timeout: float) -> list[int]:
-    """Ranks of ``comm`` (an mpi4py communicator used for nothing else at this point) on which
-    a bucket failed: a max-allreduce of one flag byte per rank.
-
-    A rank that failed waits at most ``timeout`` seconds for its peers: if they never arrive,
-    it raised in the middle of the bucket's communication and they are blocked inside MPI for
-    good, so it aborts the job (the launcher then names this rank) instead of leaving it hung.
-    """
-    MPI = _mpi()
-    flags = np.zeros(size, np.uint8)
-    flags[rank] = 1 if failed else 0
-    watchdog = None
-    if failed:
-        def abort() -> None:
-            log.critical("%s failed on this rank in the middle of its communication; the "
-                         "other ranks are blocked inside MPI and cannot recover: aborting "
-                         "the job", what)
-            MPI.COMM_WORLD.Abort(70)
-
-        watchdog = threading.Timer(timeout, abort)
-        watchdog.daemon = True
-        watchdog.start()
-    try:
-        comm.Allreduce(MPI.IN_PLACE, [flags, MPI.UNSIGNED_CHAR], op=MPI.MAX)
-    finally:
-        if watchdog is not None:
-            watchdog.cancel()
-    return [int(i) for i in np.flatnonzero(flags)]
 
 
 class MPICommunicator:
