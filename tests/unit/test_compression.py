@@ -13,8 +13,8 @@ from lightcc.common.compression.base import BucketContext
 from lightcc.common.compression.memory import ResidualMemory
 from lightcc.common.compression.powersgd import matrix_shape
 from lightcc.common.exceptions import ConfigError
-from lightcc.common.kernels import floatcast as fc
 from lightcc.common.kernels import ef_topk as eft
+from lightcc.common.kernels import floatcast as fc
 from lightcc.common.kernels import sparse
 
 REF = {"fp16": np.float16, "bf16": ml_dtypes.bfloat16, "e4m3": ml_dtypes.float8_e4m3fn,

@@ -13,13 +13,13 @@ import numpy as np
 import pytest
 
 from lightcc.common import device, dtypes
-from lightcc.common.execution import fusion, run
-from lightcc.common.execution.shared import LocalEntry
 from lightcc.common.backends.staged import StagedCommunicator
+from lightcc.common.control.messages import Coll, Request, Response
 from lightcc.common.engine import Handle
 from lightcc.common.exceptions import LightCCError
+from lightcc.common.execution import fusion, run
 from lightcc.common.execution.group import ExecSettings, Group
-from lightcc.common.control.messages import Coll, Request, Response
+from lightcc.common.execution.shared import LocalEntry
 from lightcc.common.topology import build
 from tests.doubles import fake_cupy, fake_nccl, install
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 import pytest
 
 from lightcc.common import config, dtypes, topology
-from lightcc.common.execution import fusion
-from lightcc.common.exceptions import ConfigError, UnsupportedDTypeError
 from lightcc.common.control.messages import Coll, Request, Response
+from lightcc.common.exceptions import ConfigError, UnsupportedDTypeError
+from lightcc.common.execution import fusion
 
 
 def resp(name, n, dtype="float32", op="sum", coll=Coll.ALLREDUCE, error="", **kw):

@@ -10,12 +10,13 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from lightcc.common import api, config, dtypes, faults
-from lightcc.common.execution import fusion
+from lightcc.common import api, config, dtypes
 from lightcc.common.control.cache import ResponseCache
 from lightcc.common.control.controller import Coordinator, validate
-from lightcc.common.exceptions import ConfigError, InvalidArgumentError
 from lightcc.common.control.messages import Batch, Coll, RankMessage, Request, Response
+from lightcc.common.exceptions import ConfigError, InvalidArgumentError
+from lightcc.common.execution import fusion
+from lightcc.common.observability import faults
 
 FAST = settings(max_examples=60, deadline=None,
                 suppress_health_check=[HealthCheck.too_slow])

@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-from lightcc.common.exceptions import LightCCError
 from lightcc.common.control.transport import ControlPlane, candidate_addresses, interface_addresses
+from lightcc.common.exceptions import LightCCError
 
 
 class FakeComm:

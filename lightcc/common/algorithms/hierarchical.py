@@ -34,7 +34,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..arrays import displacements, even_counts, num_pieces, empty, uses_compressor
+from ..arrays import displacements, empty, even_counts, num_pieces, uses_compressor
 from ..compression.base import BucketContext, Compressor
 from ..topology import Topology
 from . import ring

@@ -20,8 +20,8 @@ from __future__ import annotations
 import logging
 from typing import Any, Callable, Iterator, Sequence
 
+from ..arrays import empty, even_counts, num_pieces, reduce_into, sub_blocks, uses_compressor
 from ..comm import Communicator
-from ..arrays import even_counts, num_pieces, sub_blocks, empty, reduce_into, uses_compressor
 from ..compression.base import BucketContext, Compressor
 from ..topology import Topology
 

@@ -32,9 +32,8 @@ from .door import (Prepared, auto_name, compressor, prepare_allreduce, process_s
 from .lifecycle import (add_process_set, init, remove_process_set, shutdown, start_timeline,
                         stop_timeline)
 from .state import (Adasum, Average, BitwiseAnd, BitwiseOr, BitwiseXor, Max, Min, ProcessSet,
-                    Product, Sum, config, cross_rank, cross_size, engine,
-                    global_process_set, is_homogeneous, is_initialized, local_rank, local_size,
-                    rank, size, stats)
+                    Product, Sum, config, cross_rank, cross_size, engine, global_process_set,
+                    is_homogeneous, is_initialized, local_rank, local_size, rank, size, stats)
 
 __all__ = ["Adasum", "Average", "BitwiseAnd", "BitwiseOr", "BitwiseXor", "GroupHandle", "Handle",
            "Max", "Min", "Prepared", "ProcessSet", "Product", "Sum", "add_process_set",

@@ -74,7 +74,7 @@ def shutdown() -> None:
 def _start_extras(eng: Engine, cfg: config_mod.Config) -> None:
     """Timeline (``LCC_TIMELINE``) and autotuner (``LCC_AUTOTUNE``), right after the engine."""
     if cfg.timeline:
-        from .. import timeline
+        from ..observability import timeline
 
         try:
             timeline.start(eng, cfg.timeline, mark_cycles=True,
@@ -82,13 +82,14 @@ def _start_extras(eng: Engine, cfg: config_mod.Config) -> None:
         except OSError as exc:   # a bad path must not leave the other ranks waiting
             log.error("LCC_TIMELINE=%s: cannot write the timeline: %s", cfg.timeline, exc)
     if cfg.autotune != "0":
-        from .. import autotune
+        from ..tuning import autotune
 
         autotune.start(eng, cfg)
 
 
 def _stop_extras(eng: Engine) -> None:
-    from .. import autotune, timeline
+    from ..observability import timeline
+    from ..tuning import autotune
 
     autotune.stop(eng)
     timeline.stop(eng)
@@ -100,7 +101,7 @@ def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
     Rank 0 writes ``file_path``; other ranks write ``file_path.rank<N>`` only when
     ``LCC_TIMELINE_ALL_RANKS=1``. ``mark_cycles`` adds a marker per engine cycle.
     """
-    from .. import timeline
+    from ..observability import timeline
 
     eng = _get()
     timeline.start(eng, str(file_path), mark_cycles=mark_cycles,
@@ -109,7 +110,7 @@ def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
 
 def stop_timeline() -> None:
     """Stop the timeline started by :func:`start_timeline` (or ``LCC_TIMELINE``), close it."""
-    from .. import timeline
+    from ..observability import timeline
 
     timeline.stop(_get())
 

@@ -5,7 +5,6 @@ import importlib
 
 from .base import Compressor
 
-
 _FACTORIES: dict = {}
 # built-in formats and the module that registers each; imported on first use so that
 # `import lightcc` does not pay for numba's start-up when compression is off

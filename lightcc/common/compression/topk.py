@@ -17,13 +17,13 @@ from typing import Any
 
 import numpy as np
 
+from ..arrays import array_module
 from ..comm import Communicator
 from ..exceptions import ConfigError
-from ..arrays import array_module
-from .registry import register
 from .base import BucketContext
 from .gpu import codec_module
 from .memory import ResidualMemory, segments
+from .registry import register
 
 
 class TopKCompressor:

@@ -35,8 +35,9 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from ..arrays import array_module, displacements, even_counts
+from ..arrays import num_pieces as _num_pieces
 from ..comm import Communicator
-from ..arrays import displacements, even_counts, num_pieces as _num_pieces, array_module
 from .base import BucketContext
 
 #: fp32 bytes per piece of the pipelined scheme (chunks up to this size use the collective one).

@@ -40,11 +40,9 @@ from typing import Any, Callable
 
 from .cache import ResponseCache, SignatureCache
 from .checks import JOIN_OK, _fmt_ranks, _is_ordered, _Pending, validate  # noqa: F401
-from .messages import (ORDERED, Batch, Coll, OrderedItem, RankMessage, Report,
-                       Request, Response)
+from .messages import ORDERED, Batch, Coll, OrderedItem, RankMessage, Report, Request, Response
 from .negotiation import bits, members_in
 from .outcomes import SCAN_PERIOD_S, Outcomes  # noqa: F401
-
 
 
 class Coordinator(Outcomes):

@@ -27,9 +27,9 @@ from .. import algorithms, dtypes
 from ..arrays import displacements, even_counts
 from ..backends import staged
 from ..compression.base import BucketContext
+from ..control.messages import Coll, Response
 from ..device import Completion, record_event
 from ..kernels import cuda as kc
-from ..control.messages import Coll, Response
 from .group import Group
 from .plan import BucketPlan
 from .shared import (WIDENED, bucket_context, bucket_label, finish_scaling, float_factor, nan_mask,

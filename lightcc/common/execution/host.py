@@ -12,7 +12,8 @@ from typing import Any
 
 import numpy as np
 
-from .. import algorithms, dtypes, faults
+from .. import algorithms, dtypes
+from ..observability import faults
 from .group import Group
 from .plan import BucketPlan
 from .shared import (bucket_context, bucket_label, finish_scaling, float_factor, nan_mask,

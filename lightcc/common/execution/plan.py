@@ -12,8 +12,9 @@ from typing import Any
 
 import numpy as np
 
-from .. import algorithms, faults
+from .. import algorithms
 from ..control.messages import Coll, Response
+from ..observability import faults
 from .fusion import effective_compression
 from .group import Group
 from .shared import prod, reduce_dtype

@@ -12,10 +12,10 @@ import logging
 import time
 from typing import Any, Callable
 
-from .. import faults
+from ..control.messages import Coll, Response
 from ..exceptions import (CollectiveError, InvalidArgumentError, LightCCError, MismatchError,
                           ShutdownError, StallError)
-from ..control.messages import Coll, Response
+from ..observability import faults
 from . import device, host, host_ops
 from .group import Group
 from .plan import BucketPlan, make

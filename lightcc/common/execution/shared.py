@@ -11,10 +11,11 @@ from typing import Any
 
 import numpy as np
 
-from .. import dtypes, faults
+from .. import dtypes
 from ..arrays import array_module, displacements
 from ..compression.base import BucketContext
 from ..control.messages import Response
+from ..observability import faults
 from ..tracing import Tracer
 
 
