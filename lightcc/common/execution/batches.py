@@ -51,8 +51,15 @@ class BatchRunner:
                                 responses=len(responses))
         touched: set[int] = set()
         for bucket in self._plan(batch, responses):
-            touched.add(responses[bucket[0]].request.pset)
-            self._execute_bucket([responses[i] for i in bucket], [entries[i] for i in bucket])
+            first = responses[bucket[0]]
+            req = first.request
+            touched.add(req.pset)
+            if not first.error and req.coll in (Coll.ADD_PSET, Coll.REMOVE_PSET):
+                self._change_psets(first)     # the engine's groups change here
+            if run_bucket(self.groups.get(req.pset), [responses[i] for i in bucket],
+                          [entries[i] for i in bucket], self._joined, self.tracer,
+                          self._notify) and req.coll == Coll.JOIN:
+                self._joined = False
         for pset in touched:
             group = self.groups.get(pset)
             if group is not None:
@@ -94,20 +101,6 @@ class BatchRunner:
             self._seq[(pset, stream)] = self._seq.get((pset, stream), 0) + 1
         return None
 
-    def _execute_bucket(self, resps: list[Response], entries: list) -> None:
-        """Process-set changes here (they change the engine's groups), then the bucket through
-        execution's door, which completes its handles."""
-        req = resps[0].request
-        if not resps[0].error:
-            if req.coll == Coll.ADD_PSET:
-                self._add_pset(resps[0])
-            elif req.coll == Coll.REMOVE_PSET:
-                self._remove_pset(req.root)
-        ok = run_bucket(self.groups.get(req.pset), resps, entries, self._joined, self.tracer,
-                        self._notify)
-        if ok and req.coll == Coll.JOIN:
-            self._joined = False
-
     def _notify(self, event: str, **info: Any) -> None:
         for listener in self.listeners:
             listener(event, **info)
@@ -137,6 +130,13 @@ class BatchRunner:
             return None
         return DirectPath(comm.dup("direct"), ranks, self.config.stall_check_time,
                           self.config.stall_shutdown_time)
+
+    def _change_psets(self, resp: Response) -> None:
+        """Add or remove the process set of an agreed ADD_PSET / REMOVE_PSET response."""
+        if resp.request.coll == Coll.ADD_PSET:
+            self._add_pset(resp)
+        else:
+            self._remove_pset(resp.request.root)
 
     def _add_pset(self, resp: Response) -> None:
         ranks = tuple(resp.request.splits)

@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from .. import algorithms, dtypes
+from .. import dtypes
 from ..arrays import displacements, even_counts
 from ..backends import staged
 from ..compression.base import BucketContext
@@ -181,9 +181,10 @@ def _allreduce(cupy: Any, group: Group, dev: Any, plan: BucketPlan, resps: list[
         mask = nan_mask(buf)
         dev.topo.world.allreduce(mask, "max")
     if group.settings.cpu_reduce:
-        used = _host_reduce(group, dev, buf, op, comp, bctx, plan.algorithm)
+        used = _host_reduce(group, dev, buf, op, comp, bctx, plan)
     else:
-        used = algorithms.allreduce(buf, op, dev.topo, comp, bctx, plan.algorithm)
+        plan.reduce(buf, op, dev.topo, comp, bctx)
+        used = plan.algorithm
     if mask is not None:
         restore_nans(buf, mask)
     factor = 1.0
@@ -210,14 +211,14 @@ def _allreduce(cupy: Any, group: Group, dev: Any, plan: BucketPlan, resps: list[
 
 
 def _host_reduce(group: Group, dev: Any, buf: Any, op: str, comp: Any,
-                 bctx: BucketContext, algorithm: str) -> str:
+                 bctx: BucketContext, plan: BucketPlan) -> str:
     """LCC_CPU_REDUCE: one copy to pinned host memory, the host algorithm, one copy back."""
     host = dev.pinned.view(buf.size, buf.dtype)
     staged.copy_to_host(buf, host, dev.stream)
-    used = algorithms.allreduce(host, op, group.topo, comp, bctx, algorithm)
+    plan.reduce(host, op, group.topo, comp, bctx)
     staged.copy_to_device(host, buf, dev.stream)
     dev.pinned.done_with(dev.stream)
-    return "cpu-reduce:" + used
+    return "cpu-reduce:" + plan.algorithm
 
 
 # ---- the other collectives ----------------------------------------------------------------------

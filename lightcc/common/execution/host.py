@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from .. import algorithms, dtypes
+from .. import dtypes
 from ..observability import faults
 from .group import Group
 from .plan import BucketPlan
@@ -47,8 +47,8 @@ def allreduce(group: Group, plan: BucketPlan, resps: list, entries: list) -> lis
     if needs_nan_mask(req.dtype, req.op):
         mask = nan_mask(buf)
         group.topo.world.allreduce(mask, "max")
-    used = algorithms.allreduce(buf, dtypes.backend_op(req.op, req.dtype), group.topo, comp,
-                                bctx, plan.algorithm)
+    plan.reduce(buf, dtypes.backend_op(req.op, req.dtype), group.topo, comp, bctx)
+    used = plan.algorithm
     if mask is not None:
         restore_nans(buf, mask)
     if faults.enabled():   # the bucket's communication is complete on this rank

@@ -33,6 +33,7 @@ class BucketPlan:
     compression: str = "none"        # the spec that applies to every tensor, or "none"
     compressor: Any = None           # the process set's compressor for it
     algorithm: str = "flat"          # the concrete allreduce algorithm (``auto`` resolved)
+    reduce: Any = None               # its function: reduce(buf, op, topo, compressor, ctx)
     agreed: bool = False             # ranks agree on its success after it ran
     alone: bool = False              # an unscaled sum or average over one rank: the input
     error: Exception | None = None   # raised when it runs (the same on every rank)
@@ -60,6 +61,7 @@ def make(group: Group, resps: list[Response]) -> BucketPlan:
         topo = group.device_comms().topo if req.device and not group.settings.cpu_reduce \
             else group.topo
         plan.algorithm = algorithms.choose(group.algorithm, nbytes, topo, group.settings.auto)
+        plan.reduce = algorithms.get(plan.algorithm)
     except Exception as exc:      # an unknown algorithm fails on every rank alike
         plan.error = exc
     plan.agreed = (faults.enabled() or plan.compressor is not None or plan.error is not None

@@ -28,7 +28,8 @@ _ERROR_TYPES = {"mismatch": MismatchError, "stall": StallError, "shutdown": Shut
 
 def execute(group: Group, resps: list[Response], entries: list,
             plan: BucketPlan | None = None) -> list[Any]:
-    """Run one bucket with its strategy; returns each entry's result (raises on failure)."""
+    """Run one bucket with its strategy; returns each entry's result (raises on failure).
+    What :func:`run` does between its agreement steps, without handles (for tests)."""
     plan = make(group, resps) if plan is None else plan
     if plan.error is not None:
         raise plan.error
@@ -73,7 +74,12 @@ def run(group: Group | None, resps: list[Response], entries: list, joined: bool,
         group.topo.world.prepare_agreement()
     local_exc: Exception | None = None
     try:
-        results = execute(group, resps, entries, plan)
+        if plan.error is not None:
+            raise plan.error
+        if plan.coll == Coll.ALLREDUCE:
+            results = (device if plan.device else host).allreduce(group, plan, resps, entries)
+        else:
+            results = [(device if plan.device else host_ops).single(group, first, entries[0])]
         if tracer.enabled and plan.coll != Coll.ALLREDUCE:
             tracer.span(req.name, req.coll.name, start, time.perf_counter())
     except Exception as exc:
