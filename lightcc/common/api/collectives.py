@@ -84,7 +84,7 @@ def allreduce_direct(array: Any, op: str | None, prescale_factor: float,
     if host:
         _check_out(out, arr, what)
     here = host and direct.eligible(arr.nbytes, spec, group.min_compress_bytes,
-                                    eng.config.direct_bytes)
+                                    eng.config.direct_bytes, dt, op_)
     tracer = group.tracer
     t0 = time.perf_counter() if tracer.enabled else 0.0
     result = group.direct.allreduce(arr, op_, dt, pre, post, spec, out, eng, here,

@@ -55,6 +55,7 @@ import numpy as np
 
 from .. import dtypes
 from ..exceptions import LightCCError, MismatchError, ShutdownError, StallError
+from .fusion import compression_applies
 from .shared import finish_scaling, nan_mask, prescale, restore_nans
 
 log = logging.getLogger("lightcc")
@@ -68,9 +69,12 @@ _HEADER = 12
 
 
 
-def eligible(nbytes: int, compression: str, min_compress_bytes: int, limit: int) -> bool:
-    """Whether a blocking unnamed host allreduce of ``nbytes`` takes the direct path."""
-    return nbytes <= limit and (compression == "none" or nbytes < min_compress_bytes)
+def eligible(nbytes: int, compression: str, min_compress_bytes: int, limit: int,
+             dtype: str = "float32", op: str = "average") -> bool:
+    """Whether a blocking unnamed host allreduce of ``nbytes`` takes the direct path: small
+    enough, and no compressor applies (the engine's rule, fusion.compression_applies)."""
+    return nbytes <= limit and compression_applies(compression, op, dtype, nbytes,
+                                                   min_compress_bytes) == "none"
 
 
 class _Plan:

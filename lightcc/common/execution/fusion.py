@@ -19,17 +19,24 @@ import numpy as np
 from ..control.messages import Coll, Response
 
 
-def effective_compression(resp: Response, min_compress_bytes: int = 0) -> str:
-    """The compressor a tensor really gets: none for integer/bool tensors, for ops other than
-    Sum/Average, for float64 (compressors work on float32 buckets) and for tensors under
-    ``min_compress_bytes``. Decided per tensor, so a tensor's treatment does not depend on
-    which other tensors it happened to be fused with."""
-    req = resp.request
-    if (req.compression in ("", "none") or req.op not in ("sum", "average")
-            or req.dtype not in ("float32", "float16", "bfloat16")
-            or nbytes(resp) < min_compress_bytes):
+def compression_applies(compression: str, op: str, dtype: str, nbytes: int,
+                        min_compress_bytes: int = 0) -> str:
+    """The compressor a tensor really gets (the one rule, for the engine and the direct path):
+    none for integer/bool tensors, for ops other than Sum/Average, for float64 (compressors
+    work on float32 buckets) and for tensors under ``min_compress_bytes``. Decided per tensor,
+    so a tensor's treatment does not depend on which other tensors it happened to be fused
+    with."""
+    if (compression in ("", "none") or op not in ("sum", "average")
+            or dtype not in ("float32", "float16", "bfloat16") or nbytes < min_compress_bytes):
         return "none"
-    return req.compression
+    return compression
+
+
+def effective_compression(resp: Response, min_compress_bytes: int = 0) -> str:
+    """:func:`compression_applies` for one response's request."""
+    req = resp.request
+    return compression_applies(req.compression, req.op, req.dtype, req.nbytes,
+                               min_compress_bytes)
 
 
 def fusion_key(resp: Response, min_compress_bytes: int = 0) -> tuple | None:
