@@ -22,19 +22,9 @@ from ..exceptions import LightCCError
 from ..tracing import NULL
 
 # re-exported: the door's bootstrap and thread-level calls live in mpi_runtime.py
-from .mpi_runtime import (  # noqa: F401
-    _MPI_TYPES,
-    _OPS,
-    _mpi,
-    _mpi_op,
-    _Req,
-    agree_over,
-    library_version,
-    max_tag,
-    thread_multiple,
-    world_bcast,
-    world_rank_size,
-)
+from .mpi_runtime import (_MPI_OPS, _MPI_TYPES, _OPS, _Req, _mpi, _mpi_op,  # noqa: F401
+                          agree_over, library_version, max_tag, thread_multiple, world_bcast,
+                          world_rank_size)
 
 log = logging.getLogger("lightcc")
 
@@ -135,11 +125,11 @@ class MPICommunicator:
         """Start reducing ``sendbuf`` over all ranks into ``recvbuf`` (None: in place). Not
         counted in :attr:`stats` (the direct path's small calls; it has a communicator of its
         own that ``lightcc.stats()`` does not list)."""
-        MPI = _mpi()
-        mtype = self._mpi_type(sendbuf.dtype)
+        mtype = _MPI_TYPES.get(sendbuf.dtype) or self._mpi_type(sendbuf.dtype)
+        mop = _MPI_OPS.get(op) or _mpi_op(op)
         if recvbuf is None:
-            return _Req(self.comm.Iallreduce(MPI.IN_PLACE, [sendbuf, mtype], _mpi_op(op)))
-        return _Req(self.comm.Iallreduce([sendbuf, mtype], [recvbuf, mtype], _mpi_op(op)))
+            return _Req(self.comm.Iallreduce(_mpi().IN_PLACE, [sendbuf, mtype], mop))
+        return _Req(self.comm.Iallreduce([sendbuf, mtype], [recvbuf, mtype], mop))
 
     def allgather_object(self, obj: Any) -> list:
         """Every rank's small picklable ``obj``, in rank order."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -40,16 +41,16 @@ class _Req:
     """Adapts an mpi4py request to the protocol's ``wait``/``test``/``cancel``; a receive also
     tells, once complete, the rank it came from (``source``) and its size (``nbytes``)."""
 
-    __slots__ = ("_req", "_status")
+    __slots__ = ("_req", "_status", "test", "wait")
 
     def __init__(self, req: Any, status: Any = None) -> None:
         self._req, self._status = req, status
-
-    def wait(self) -> None:
-        self._req.Wait(self._status)
-
-    def test(self) -> bool:
-        return bool(self._req.Test(self._status))
+        # test() -> bool and wait() are mpi4py's own methods (no Python frame per test: the
+        # direct path tests a request in a tight loop)
+        if status is None:
+            self.test, self.wait = req.Test, req.Wait
+        else:
+            self.test, self.wait = partial(req.Test, status), partial(req.Wait, status)
 
     def cancel(self) -> None:
         """Withdraw a pending receive and wait until MPI has let go of the buffer."""
