@@ -66,7 +66,7 @@ def _run(lcc, grads, steps: int, **overrides) -> tuple[list[float], dict]:
     ends = _train(lcc, grads, steps)
     info: dict = {}
     if lcc.rank() == 0:
-        from lightcc.common import autotune
+        from lightcc.common.tuning import autotune
 
         tuner = autotune.active()
         if tuner is not None:
@@ -123,8 +123,9 @@ def worker(args: argparse.Namespace) -> None:
                         **BAD_START)
     results["second"] = _rate(ends2, nbytes, args.final)
     results["second_info"] = info2
-    import lightcc.common.api  # noqa: F401
     from mpi4py import MPI
+
+    import lightcc.common.api  # noqa: F401
 
     rank0 = MPI.COMM_WORLD.Get_rank() == 0
     if rank0:

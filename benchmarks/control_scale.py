@@ -10,7 +10,7 @@ all of them).
   matches every (rank, tensor) pair, ``tick()``s and encodes the batch. Cost: rank 0's.
 * **slow** (this checkout's coordinator fed the same messages): what rank 0 does today while
   ranks have joined or left (the slow mode), and the work a stall or a change costs once.
-* **tree** (this checkout): each rank runs its :class:`~lightcc.common.negotiator.Negotiator`:
+* **tree** (this checkout): each rank runs its :class:`~lightcc.common.control.negotiator.Negotiator`:
   cache lookups, its node's bit vectors, its children's reports, and the batch; rank 0 also the
   coordinator's tick and the batch's encoding. Cost per rank; the table shows rank 0's and the
   highest of any rank.
@@ -52,7 +52,7 @@ SIZES = [2, 8, 32, 128, 512, 1024, 4096]
 
 
 def model_requests(n: int = TENSORS) -> list:
-    from lightcc.common.messages import Coll, Request
+    from lightcc.common.control.messages import Coll, Request
 
     shapes = [(512, 512), (512,), (2048, 512), (2048,)]
     return [Request(Coll.ALLREDUCE, f"layer{i // 4}.p{i % 4}", "float32", shapes[i % 4], "sum")
@@ -63,8 +63,8 @@ def model_requests(n: int = TENSORS) -> list:
 def star(size: int, steps: int) -> dict:
     """Rank 0's ms per step with ``size`` ranks sending their cache ids (any lightcc version
     with ``Coordinator(size, capacity, cycle, threshold)`` and ``RankMessage(cached=...)``)."""
-    from lightcc.common.controller import Coordinator
-    from lightcc.common.messages import RankMessage
+    from lightcc.common.control.controller import Coordinator
+    from lightcc.common.control.messages import RankMessage
 
     reqs = model_requests()
     coord = Coordinator(size, 4 * TENSORS, 0.0, 1 << 40)
@@ -97,9 +97,9 @@ def star(size: int, steps: int) -> dict:
 # ---- the tree: every rank's negotiator ---------------------------------------------------------
 def tree(size: int, steps: int, fanout: int) -> dict:
     """Per-rank ms per step in the steady state; see module docstring."""
-    from lightcc.common.controller import Coordinator
-    from lightcc.common.messages import Batch
-    from lightcc.common.negotiator import Negotiator
+    from lightcc.common.control.controller import Coordinator
+    from lightcc.common.control.messages import Batch
+    from lightcc.common.control.negotiator import Negotiator
 
     reqs = model_requests()
     coord = Coordinator(size, 4 * TENSORS, 0.0, 1 << 40)
@@ -167,14 +167,14 @@ def star_now(size: int, steps: int) -> dict:
 # ---- the tree over the real control plane: ranks as threads, TCP on loopback --------------------
 def transport(size: int, steps: int, fanout: int) -> dict:
     """Per-rank CPU ms per step with each rank a thread that runs its negotiator over its own
-    :class:`~lightcc.common.transport.ControlPlane` (real sockets, frames, ``select``), as the
+    :class:`~lightcc.common.control.transport.ControlPlane` (real sockets, frames, ``select``), as the
     engine does; no MPI and no execution. Socket calls count, waiting does not."""
     import threading
 
-    from lightcc.common.controller import Coordinator
-    from lightcc.common.messages import Batch
-    from lightcc.common.negotiator import Negotiator
-    from lightcc.common.transport import ControlPlane
+    from lightcc.common.control.controller import Coordinator
+    from lightcc.common.control.messages import Batch
+    from lightcc.common.control.negotiator import Negotiator
+    from lightcc.common.control.transport import ControlPlane
     from tests.doubles.fake_nccl import ThreadMPIComm, _Group
 
     reqs = model_requests()
@@ -371,7 +371,7 @@ def main() -> None:
         print(f"median after / before: wall {wr:.2f}, CPU {cr:.2f}")
         return
     sys.path.insert(0, str(REPO))
-    from lightcc.common.negotiation import DEFAULT_FANOUT
+    from lightcc.common.control.negotiation import DEFAULT_FANOUT
 
     fanout = args.fanout or DEFAULT_FANOUT
     sizes = [int(s) for s in args.sizes.split(",")]

@@ -19,7 +19,7 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from lightcc.common.timeline import Timeline  # noqa: E402
+from lightcc.common.observability.timeline import Timeline  # noqa: E402
 from lightcc.common.tracing import NULL  # noqa: E402
 
 

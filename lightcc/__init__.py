@@ -5,7 +5,7 @@ PyTorch users import ``lightcc.torch`` (Horovod-compatible). See README.md and d
 """
 from __future__ import annotations
 
-__version__ = "0.1.0"
+from ._version import __version__
 
 from .common.api import (Adasum, Average, BitwiseAnd, BitwiseOr, BitwiseXor, GroupHandle, Max,
                          Min, ProcessSet, Product, Sum, add_process_set, allgather,

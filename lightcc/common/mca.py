@@ -73,9 +73,9 @@ def warn_if_too_late(num_links: int, num_nodes: int, rank: int) -> None:
     if not _state["too_late"] or _state["warned"] or num_links <= 1 or num_nodes <= 1 \
             or rank != 0:
         return
-    from mpi4py import MPI
+    from .backends.mpi import library_version
 
-    if "Open MPI" not in MPI.Get_library_version():
+    if "Open MPI" not in library_version():
         return
     _state["warned"] = True
     log.warning("MPI was started before lightcc could configure it (mpi4py.MPI imported, or "

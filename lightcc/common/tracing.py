@@ -2,7 +2,7 @@
 
 The engine, executor and backends report what they do through a :class:`Tracer`; the
 default :data:`NULL` tracer does nothing and costs one attribute check (``enabled``) per
-event site. ``lightcc.common.timeline`` provides the real one. Times are
+event site. ``lightcc.common.observability.timeline`` provides the real one. Times are
 ``time.perf_counter()`` seconds; ``track`` is a tensor name or bucket label.
 """
 from __future__ import annotations

@@ -21,7 +21,7 @@ from ..common import api as _api
 from ..common.api import (Adasum, Average, Max, Min, ProcessSet, Product, Sum,
                           add_process_set, global_process_set, remove_process_set)
 from ..common.exceptions import HorovodInternalError
-from ..common.messages import Coll
+from ..common.control.messages import Coll
 from . import basics
 from ._tensor import core_result, from_array, result_like, stage, to_device, torch_stream
 from .compression import spec_of

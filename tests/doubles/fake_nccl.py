@@ -27,7 +27,8 @@ from typing import Any, Callable
 import ml_dtypes
 import numpy as np
 
-from lightcc.common.backends.base import WireStats, displacements
+from lightcc.common.arrays import displacements
+from lightcc.common.comm import WireStats
 from lightcc.common.tracing import NULL
 
 from . import fake_cupy as fc

@@ -15,7 +15,7 @@ pytestmark = pytest.mark.gpu
 cupy = require_gpu()
 MPI = pytest.importorskip("mpi4py.MPI", reason="NCCL bootstrap needs mpi4py")
 
-from lightcc.common.backends.base import even_counts  # noqa: E402
+from lightcc.common.arrays import even_counts  # noqa: E402
 from lightcc.common.backends.nccl import NCCLCommunicator, nccl_available  # noqa: E402
 
 

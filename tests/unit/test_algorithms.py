@@ -8,8 +8,8 @@ import pytest
 
 from lightcc.common import algorithms
 from lightcc.common.algorithms import ring
-from lightcc.common.algorithms._ops import reduce_into
-from lightcc.common.backends.base import WireStats
+from lightcc.common.arrays import reduce_into
+from lightcc.common.comm import WireStats
 from lightcc.common.topology import Topology, assign_nodes
 
 
@@ -119,7 +119,7 @@ def test_reduce_into_rejects_unknown_op():
 
 
 def test_sub_blocks_split_every_block_the_same_way():
-    from lightcc.common.backends.base import num_pieces, sub_blocks
+    from lightcc.common.arrays import num_pieces, sub_blocks
 
     sizes, starts = sub_blocks([5, 0, 7], 3)
     assert sizes == [[2, 2, 1], [0, 0, 0], [3, 2, 2]]

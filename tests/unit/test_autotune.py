@@ -11,10 +11,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from lightcc.common import autotune, autotune_cache as cache
-from lightcc.common.autotune import Autotuner, StepDetector
-from lightcc.common.autotune_search import SearchLoop, SearchSpace, Setting, TunerOptions
-from lightcc.common.messages import Coll, Request, Response
+from lightcc.common.control.messages import Coll, Request, Response
+from lightcc.common.tuning import autotune, cache
+from lightcc.common.tuning.autotune import Autotuner, StepDetector
+from lightcc.common.tuning.search import SearchLoop, SearchSpace, Setting, TunerOptions
 
 ALGS = ("2d", "flat", "hierarchical", "ring", "tree")
 STEP_BYTES = 10_000_000

@@ -13,6 +13,7 @@ from lightcc.common.compression.base import BucketContext
 from lightcc.common.compression.memory import ResidualMemory
 from lightcc.common.compression.powersgd import matrix_shape
 from lightcc.common.exceptions import ConfigError
+from lightcc.common.kernels import ef_topk as eft
 from lightcc.common.kernels import floatcast as fc
 from lightcc.common.kernels import sparse
 
@@ -352,7 +353,7 @@ def test_ef_topk_matches_the_separate_steps(n, k, kind, numba, monkeypatch):
         left[want] = 0.0
         buf, res = g.copy(), r.copy()
         parts = res if not cuts else [(a, res[a:b]) for a, b in zip(bounds, bounds[1:])]
-        idx, vals = sparse.ef_topk(buf, parts, ks[0] if not cuts else ks)
+        idx, vals = eft.ef_topk(buf, parts, ks[0] if not cuts else ks)
         np.testing.assert_array_equal(idx, want)
         np.testing.assert_array_equal(vals, acc[want])
         np.testing.assert_array_equal(res, left)
@@ -362,7 +363,7 @@ def test_ef_topk_matches_the_separate_steps(n, k, kind, numba, monkeypatch):
 @pytest.mark.parametrize("sizes", [(300_000,), (100_000, 7, 150_000, 60_000), (500,)])
 @pytest.mark.parametrize("ef", [True, False])
 def test_topk_allreduce_matches_numpy_error_feedback(sizes, ef):
-    """TopK per tensor (one pass with error feedback through kernels/sparse.ef_topk; without,
+    """TopK per tensor (one pass with error feedback through kernels/ef_topk.py; without,
     topk_indices per tensor): the sum and the residuals follow TopK computed tensor by
     tensor, step by step in NumPy."""
     from tests.doubles.fake_nccl import run_ranks, thread_worlds

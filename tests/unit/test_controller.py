@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import pytest
 
-from lightcc.common.cache import ResponseCache
-from lightcc.common.controller import Coordinator, validate
-from lightcc.common.messages import Batch, Coll, RankMessage, Request, Response
+from lightcc.common.control.cache import ResponseCache
+from lightcc.common.control.controller import Coordinator, validate
+from lightcc.common.control.messages import Batch, Coll, RankMessage, Request, Response
 
 
 class Clock:
@@ -282,8 +282,8 @@ def test_batch_and_message_round_trip():
 
 
 # ---- ordered streams (matched by position) ------------------------------------------------
-from lightcc.common.cache import SignatureCache  # noqa: E402
-from lightcc.common.messages import SHARED_STREAM, OrderedItem, signature  # noqa: E402
+from lightcc.common.control.cache import SignatureCache  # noqa: E402
+from lightcc.common.control.messages import SHARED_STREAM, OrderedItem, signature  # noqa: E402
 
 
 def ordered(coord, rank, *items, pset=0, stream=SHARED_STREAM, seq=None):
@@ -413,7 +413,7 @@ def test_a_late_report_of_an_earlier_round_yields_to_the_tree_agreement():
     """Rank 1's report of round 1 arrives after round 1 failed (a stall error raced with it);
     round 2 is then agreed in the control tree: one answer, the cache id, and nothing left
     pending from the late report."""
-    from lightcc.common.messages import Report
+    from lightcc.common.control.messages import Report
 
     coord, _ = make()
     submit(coord, 0, ar("a"))

@@ -1,4 +1,4 @@
-"""The engine's GPU path (device_exec.py, backends/factory.py, backends/staged.py) against the
+"""The engine's GPU path (execution/device.py, backends/factory.py, backends/staged.py) against the
 CuPy/NCCL doubles, with thread ranks: results equal the host path's bit for bit, the stream and
 event order is the documented one with no host synchronization, buckets never mix host and
 device tensors, and the MPI staging and CPU-reduce paths copy through pinned memory.
@@ -12,12 +12,14 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from lightcc.common import device, dtypes, executor, fusion
+from lightcc.common import device, dtypes
 from lightcc.common.backends.staged import StagedCommunicator
+from lightcc.common.control.messages import Coll, Request, Response
 from lightcc.common.engine import Handle
 from lightcc.common.exceptions import LightCCError
-from lightcc.common.group import ExecSettings, Group
-from lightcc.common.messages import Coll, Request, Response
+from lightcc.common.execution import fusion, run
+from lightcc.common.execution.group import ExecSettings, Group
+from lightcc.common.execution.shared import LocalEntry
 from lightcc.common.topology import build
 from tests.doubles import fake_cupy, fake_nccl, install
 
@@ -76,8 +78,8 @@ def run_bucket(gpu, size: int, shapes: list, dtype: str = "float32", op: str = "
             x = _data(r, math.prod(shape), dtype, seed + i, exact).reshape(shape)
             arr = _device(gpu.cupy, x) if on_device else x
             resps.append(Response(req))
-            entries.append(executor.LocalEntry(req.key, arr, None, Handle(req), request=req))
-        results = executor.allreduce_bucket(group, resps, entries)
+            entries.append(LocalEntry(req.key, arr, None, Handle(req), request=req))
+        results = run.execute(group, resps, entries)
         for e, res in zip(entries, results):
             e.handle._set(result=res)
         out = [e.handle.wait() for e in entries]
@@ -200,8 +202,8 @@ def test_consumer_is_the_callers_current_stream(gpu):
     with side:
         x = device.adopt(cupy.ones(8, np.float32), "x")
     req = Request(Coll.ALLREDUCE, "x", "float32", (8,), "sum", -1, 2.0, 1.0, device=True)
-    entry = executor.LocalEntry(req.key, x, None, Handle(req), request=req)
-    (res,) = executor.allreduce_bucket(group, [Response(req)], [entry])
+    entry = LocalEntry(req.key, x, None, Handle(req), request=req)
+    (res,) = run.execute(group, [Response(req)], [entry])
     entry.handle._set(result=res)
     waits_before = len(gpu.log.of("wait", side.ptr))
     with side:
@@ -222,7 +224,7 @@ def test_fusion_keeps_host_and_device_apart():
 
 
 def test_controller_reports_host_device_mismatch():
-    from lightcc.common.controller import validate
+    from lightcc.common.control.controller import validate
 
     a = Request(Coll.ALLREDUCE, "g", "float32", (4,), "sum")
     resp = validate((0, 1), {0: a, 1: a._replace(device=True)})

@@ -1,4 +1,4 @@
-"""The direct path's pure logic (lightcc/common/direct.py): which calls are reduced there, and
+"""The direct path's pure logic (lightcc/common/execution/direct.py): which calls are reduced there, and
 the verdict every rank draws from the summed headers. Multi-rank runs: tests/parallel/test_core.py.
 """
 from __future__ import annotations
@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lightcc.common import config
-from lightcc.common.direct import _HEADER, DirectPath, _Plan, eligible
+from lightcc.common.execution.direct import _HEADER, DirectPath, _Plan, eligible
 
 
 def test_eligible_follows_size_limit_and_compression_threshold():

@@ -3,9 +3,10 @@ from __future__ import annotations
 
 import pytest
 
-from lightcc.common import config, dtypes, fusion, topology
+from lightcc.common import config, dtypes, topology
+from lightcc.common.control.messages import Coll, Request, Response
 from lightcc.common.exceptions import ConfigError, UnsupportedDTypeError
-from lightcc.common.messages import Coll, Request, Response
+from lightcc.common.execution import fusion
 
 
 def resp(name, n, dtype="float32", op="sum", coll=Coll.ALLREDUCE, error="", **kw):

@@ -40,15 +40,15 @@ def test_scaling_checks_allow_integers_not_bool():
 
 
 def test_executor_folds_average_into_the_postscale_factor_like_horovod():
-    from lightcc.common import executor
+    from lightcc.common.execution import shared
 
     sums = np.array([-49, -7, 5, 49, 100], np.int64)
     buf = sums.copy()
-    executor._finish_scaling(buf, "average", "int64", 4, 1.5)
+    shared.finish_scaling(buf, "average", "int64", 4, 1.5)
     assert buf.tolist() == [math.trunc(v * (1.5 / 4)) for v in sums.tolist()]
     buf = sums.copy()
-    executor._finish_scaling(buf, "sum", "int64", 4, 0.3)
+    shared.finish_scaling(buf, "sum", "int64", 4, 0.3)
     assert buf.tolist() == [math.trunc(v * 0.3) for v in sums.tolist()]
     buf = sums.copy()                       # no factor: lightcc's exact integer average
-    executor._finish_scaling(buf, "average", "int64", 49, 1.0)
+    shared.finish_scaling(buf, "average", "int64", 49, 1.0)
     assert buf.tolist() == [-1, 0, 0, 1, 2]

@@ -17,10 +17,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from lightcc.common.controller import Coordinator
-from lightcc.common.messages import SHARED_STREAM, Batch, Coll, OrderedItem, Request, Response
-from lightcc.common.negotiation import bits, demote_after, layout
-from lightcc.common.negotiator import Negotiator
+from lightcc.common.control.controller import Coordinator
+from lightcc.common.control.messages import SHARED_STREAM, Batch, Coll, OrderedItem, Request, Response
+from lightcc.common.control.negotiation import bits, demote_after, layout
+from lightcc.common.control.negotiator import Negotiator
 
 
 class Clock:

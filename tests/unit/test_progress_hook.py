@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from lightcc.common.algorithms import ring
-from lightcc.common.backends.base import even_counts
+from lightcc.common.arrays import even_counts
 from lightcc.common.compression import make, twophase
 from tests.doubles.fake_nccl import run_ranks, thread_worlds
 

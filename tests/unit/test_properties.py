@@ -10,11 +10,13 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from lightcc.common import api, config, dtypes, faults, fusion
-from lightcc.common.cache import ResponseCache
-from lightcc.common.controller import Coordinator, validate
+from lightcc.common import api, config, dtypes
+from lightcc.common.control.cache import ResponseCache
+from lightcc.common.control.controller import Coordinator, validate
+from lightcc.common.control.messages import Batch, Coll, RankMessage, Request, Response
 from lightcc.common.exceptions import ConfigError, InvalidArgumentError
-from lightcc.common.messages import Batch, Coll, RankMessage, Request, Response
+from lightcc.common.execution import fusion
+from lightcc.common.observability import faults
 
 FAST = settings(max_examples=60, deadline=None,
                 suppress_health_check=[HealthCheck.too_slow])
@@ -160,7 +162,7 @@ class _StubEngine:
 def test_alltoall_splits_accepted_iff_valid(n, rows, splits):
     import numpy as np
 
-    saved, api._engine = api._engine, _StubEngine(n)
+    saved, api.state._engine = api.state._engine, _StubEngine(n)
     try:
         valid = len(splits) == n and all(s >= 0 for s in splits) and sum(splits) == rows
         try:
@@ -171,7 +173,7 @@ def test_alltoall_splits_accepted_iff_valid(n, rows, splits):
             assert valid, f"invalid splits {splits} for {rows} rows on {n} ranks accepted"
             assert req.splits == tuple(splits)
     finally:
-        api._engine = saved
+        api.state._engine = saved
 
 
 @FAST
@@ -180,7 +182,7 @@ def test_alltoall_splits_accepted_iff_valid(n, rows, splits):
 def test_broadcast_root_validation(n, root):
     import numpy as np
 
-    saved, api._engine = api._engine, _StubEngine(n)
+    saved, api.state._engine = api.state._engine, _StubEngine(n)
     try:
         ok = isinstance(root, int) and 0 <= root < n
         try:
@@ -190,7 +192,7 @@ def test_broadcast_root_validation(n, root):
         else:
             assert ok and req.root == root
     finally:
-        api._engine = saved
+        api.state._engine = saved
 
 
 @FAST
@@ -204,7 +206,7 @@ def test_broadcast_root_is_a_global_rank_of_the_process_set(n, data):
     root = data.draw(st.integers(-1, n))
     stub = _StubEngine(n)
     stub.pset = lambda pid: types.SimpleNamespace(ranks=members)
-    saved, api._engine = api._engine, stub
+    saved, api.state._engine = api.state._engine, stub
     try:
         try:
             req = api.broadcast_async(np.zeros(3), root, name="b", process_set=1)
@@ -213,7 +215,7 @@ def test_broadcast_root_is_a_global_rank_of_the_process_set(n, data):
         else:
             assert root in members and req.root == members.index(root)
     finally:
-        api._engine = saved
+        api.state._engine = saved
 
 
 # ---- parsing --------------------------------------------------------------------------------

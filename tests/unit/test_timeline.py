@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from lightcc.common import timeline
-from lightcc.common.timeline import Timeline
+from lightcc.common.observability import timeline
+from lightcc.common.observability.timeline import Timeline
 from lightcc.common.tracing import NULL
 
 

@@ -8,8 +8,8 @@ import time
 
 import pytest
 
+from lightcc.common.control.transport import ControlPlane, candidate_addresses, interface_addresses
 from lightcc.common.exceptions import LightCCError
-from lightcc.common.transport import ControlPlane, candidate_addresses, interface_addresses
 
 
 class FakeComm:
@@ -202,7 +202,7 @@ def test_stray_connections_are_ignored():
 
 
 def test_unreachable_rank0_fails_on_every_rank_with_a_clear_error(monkeypatch):
-    from lightcc.common import transport
+    from lightcc.common.control import transport
 
     monkeypatch.setattr(transport, "ACCEPT_TIMEOUT_S", 1.0)
     monkeypatch.setattr(transport, "CONNECT_TIMEOUT_S", 0.5)

@@ -118,6 +118,11 @@ def choose(name: str, nbytes: int, topo: Topology,
     return t.multi_node if topo.is_homogeneous else "flat"
 
 
+def get(name: str) -> Algorithm:
+    """The function of the concrete algorithm ``name`` (as :func:`choose` returns it)."""
+    return _REGISTRY[name]
+
+
 def allreduce(buf: Any, op: str, topo: Topology, compressor: Compressor | None,
               ctx: BucketContext, algorithm: str = "auto",
               thresholds: AutoThresholds | None = None) -> str:

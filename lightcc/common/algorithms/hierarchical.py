@@ -34,11 +34,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..backends.base import displacements, even_counts, num_pieces
+from ..arrays import displacements, empty, even_counts, num_pieces, uses_compressor
 from ..compression.base import BucketContext, Compressor
 from ..topology import Topology
 from . import ring
-from ._ops import empty, uses_compressor
 
 #: Bytes of the buffer per pipeline piece (host buffers without compression). Measured on
 #: 2 x 2 simulated hosts at 1 Gbit (64 MB): 2 MB pieces / depth 2 751 ms, 512 KB / 16 595 ms,

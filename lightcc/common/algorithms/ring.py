@@ -20,10 +20,10 @@ from __future__ import annotations
 import logging
 from typing import Any, Callable, Iterator, Sequence
 
-from ..backends.base import Communicator, even_counts, num_pieces, sub_blocks
+from ..arrays import empty, even_counts, num_pieces, reduce_into, sub_blocks, uses_compressor
+from ..comm import Communicator
 from ..compression.base import BucketContext, Compressor
 from ..topology import Topology
-from ._ops import empty, reduce_into, uses_compressor
 
 log = logging.getLogger("lightcc")
 

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..backends.base import Communicator
+from ..arrays import empty, reduce_into, uses_compressor
+from ..comm import Communicator
 from ..compression.base import BucketContext, Compressor
 from ..topology import Topology
-from ._ops import empty, reduce_into, uses_compressor
 
 TAG = 101
 

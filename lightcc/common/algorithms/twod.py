@@ -19,11 +19,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..backends.base import displacements, even_counts
+from ..arrays import displacements, even_counts, uses_compressor
 from ..compression.base import BucketContext, Compressor
 from ..topology import Topology
 from . import hierarchical, ring
-from ._ops import uses_compressor
 
 
 def allreduce(buf: Any, op: str, topo: Topology, compressor: Compressor | None,

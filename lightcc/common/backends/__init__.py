@@ -1,1 +1,1 @@
-"""Communicator implementations: ``mpi`` (mpi4py, host arrays) and ``nccl`` (CuPy, device arrays)."""
+"""Communicator implementations: ``mpi`` (mpi4py, host arrays), ``nccl`` (CuPy, device arrays)."""

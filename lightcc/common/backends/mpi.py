@@ -11,14 +11,20 @@ from __future__ import annotations
 
 import functools
 import logging
-import threading
 import time
 from typing import Any, Sequence
 
 import numpy as np
 
+from ..arrays import displacements, num_pieces, sub_blocks
+from ..comm import WireStats
+from ..exceptions import LightCCError
 from ..tracing import NULL
-from .base import WireStats, displacements, num_pieces, sub_blocks
+
+# re-exported: the door's bootstrap and thread-level calls live in mpi_runtime.py
+from .mpi_runtime import (_MPI_OPS, _MPI_TYPES, _OPS, _Req, _mpi, _mpi_op,  # noqa: F401
+                          agree_over, library_version, max_tag, thread_multiple, world_bcast,
+                          world_rank_size)
 
 log = logging.getLogger("lightcc")
 
@@ -30,22 +36,6 @@ ALLREDUCE_CHUNK_BYTES = 4 << 20
 MAX_CHUNK_BYTES = 1 << 30  # bytes per data-movement call on the large-message paths
 INT_LIMIT = (1 << 31) - 1  # MPI-3 counts and displacements are C ints
 _LARGE_TAG = 7203          # point-to-point tag of the large alltoallv path
-
-
-_MPI_MODULE = None
-
-
-def _mpi():
-    global _MPI_MODULE
-    if _MPI_MODULE is None:
-        from mpi4py import MPI
-
-        _MPI_MODULE = MPI
-    return _MPI_MODULE
-
-
-_OPS = {"sum": "SUM", "min": "MIN", "max": "MAX", "prod": "PROD", "band": "BAND", "bor": "BOR",
-        "bxor": "BXOR"}
 
 
 def _as_bytes(buf: np.ndarray) -> np.ndarray:
@@ -69,52 +59,42 @@ def _timed(call: str):
     return wrap
 
 
-class _Req:
-    """Adapts an mpi4py request to the protocol's ``wait``/``test``."""
+def bootstrap(comm: Any = None) -> tuple["MPICommunicator", list[str]]:
+    """The communicator lightcc runs on and every member's host name (collective).
 
-    def __init__(self, req: Any) -> None:
-        self._req = req
-
-    def wait(self) -> None:
-        self._req.Wait()
-
-    def test(self) -> bool:
-        return bool(self._req.Test())
-
-
-def agree_over(comm: Any, rank: int, size: int, failed: bool, what: str,
-               timeout: float) -> list[int]:
-    """Ranks of ``comm`` (an mpi4py communicator used for nothing else at this point) on which
-    a bucket failed: a max-allreduce of one flag byte per rank.
-
-    A rank that failed waits at most ``timeout`` seconds for its peers: if they never arrive,
-    it raised in the middle of the bucket's communication and they are blocked inside MPI for
-    good, so it aborts the job (the launcher then names this rank) instead of leaving it hung.
+    ``comm``: None for the world, an mpi4py communicator, or a list of world ranks (a
+    communicator of those ranks is made). Raises LightCCError when MPI lacks thread support.
     """
     MPI = _mpi()
-    flags = np.zeros(size, np.uint8)
-    flags[rank] = 1 if failed else 0
-    watchdog = None
-    if failed:
-        def abort() -> None:
-            log.critical("%s failed on this rank in the middle of its communication; the "
-                         "other ranks are blocked inside MPI and cannot recover: aborting "
-                         "the job", what)
-            MPI.COMM_WORLD.Abort(70)
+    if MPI.Query_thread() < MPI.THREAD_SERIALIZED:
+        raise LightCCError("MPI was initialized without thread support; lightcc needs "
+                           "MPI_THREAD_SERIALIZED or better (do not set "
+                           "mpi4py.rc.thread_level below 'serialized')")
+    if comm is None:
+        comm = MPI.COMM_WORLD
+    elif isinstance(comm, (list, tuple)):
+        comm = MPI.COMM_WORLD.Create_group(MPI.COMM_WORLD.Get_group().Incl(list(comm)))
+    return MPICommunicator(comm, "base"), comm.allgather(MPI.Get_processor_name())
 
-        watchdog = threading.Timer(timeout, abort)
-        watchdog.daemon = True
-        watchdog.start()
+
+def p2p_communicator(world_ranks: Sequence[int] | None, name: str = "p2p") -> Any:
+    """A communicator of its own for point-to-point traffic beside the engine's (collective over
+    its members: ``None`` means the whole world, else only the listed world ranks call it), or
+    None when MPI lacks MPI_THREAD_MULTIPLE."""
+    MPI = _mpi()
+    if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
+        return None
+    if world_ranks is None:
+        return MPICommunicator(MPI.COMM_WORLD.Dup(), name)
+    group = MPI.COMM_WORLD.Get_group().Incl([int(r) for r in world_ranks])
     try:
-        comm.Allreduce(MPI.IN_PLACE, [flags, MPI.UNSIGNED_CHAR], op=MPI.MAX)
+        return MPICommunicator(MPI.COMM_WORLD.Create_group(group, tag=4242), name)
     finally:
-        if watchdog is not None:
-            watchdog.cancel()
-    return [int(i) for i in np.flatnonzero(flags)]
+        group.Free()
 
 
 class MPICommunicator:
-    """A group of MPI ranks (see ``backends.base.Communicator``)."""
+    """A group of MPI ranks (see ``comm.Communicator``)."""
 
     is_device = False
 
@@ -132,18 +112,39 @@ class MPICommunicator:
 
     # -- reductions ---------------------------------------------------------------------------
     def _mpi_type(self, dtype: np.dtype) -> Any:
-        MPI = _mpi()
-        try:
-            return MPI._typedict[np.dtype(dtype).char]
-        except KeyError:
-            raise TypeError(f"MPI backend cannot reduce dtype {np.dtype(dtype)}") from None
+        mtype = _MPI_TYPES.get(dtype)
+        if mtype is None:
+            try:
+                mtype = _MPI_TYPES[dtype] = _mpi()._typedict[np.dtype(dtype).char]
+            except KeyError:
+                raise TypeError(f"MPI backend cannot reduce dtype {np.dtype(dtype)}") from None
+        return mtype
+
+    def iallreduce(self, sendbuf: np.ndarray, recvbuf: np.ndarray | None = None,
+                   op: str = "sum") -> _Req:
+        """Start reducing ``sendbuf`` over all ranks into ``recvbuf`` (None: in place). Not
+        counted in :attr:`stats` (the direct path's small calls; it has a communicator of its
+        own that ``lightcc.stats()`` does not list)."""
+        mtype = _MPI_TYPES.get(sendbuf.dtype) or self._mpi_type(sendbuf.dtype)
+        mop = _MPI_OPS.get(op) or _mpi_op(op)
+        if recvbuf is None:
+            return _Req(self.comm.Iallreduce(_mpi().IN_PLACE, [sendbuf, mtype], mop))
+        return _Req(self.comm.Iallreduce([sendbuf, mtype], [recvbuf, mtype], mop))
+
+    def allgather_object(self, obj: Any) -> list:
+        """Every rank's small picklable ``obj``, in rank order."""
+        return self.comm.allgather(obj)
+
+    def dup(self, name: str) -> "MPICommunicator":
+        """A communicator of the same ranks whose traffic never meets this one's (collective)."""
+        return MPICommunicator(self.comm.Dup(), name)
 
     @_timed("allreduce")
     def allreduce(self, buf: np.ndarray, op: str = "sum") -> None:
         MPI = _mpi()
         flat = buf.reshape(-1)
         mtype = self._mpi_type(flat.dtype)
-        mop = getattr(MPI, _OPS[op])
+        mop = _mpi_op(op)
         step = MAX_CHUNK_ELEMS
         if self.chunk_bytes > 0:
             step = max(1, min(step, self.chunk_bytes // flat.itemsize))
@@ -290,10 +291,13 @@ class MPICommunicator:
         self.stats.add("send", buf.nbytes, 0)
         return _Req(self.comm.Isend([_as_bytes(buf), MPI.BYTE], dest=dest, tag=tag))
 
-    def irecv(self, buf: np.ndarray, source: int, tag: int = 0) -> _Req:
+    def irecv(self, buf: np.ndarray, source: int | None, tag: int = 0) -> _Req:
+        """Start receiving into ``buf`` from ``source`` (None: any rank)."""
         MPI = _mpi()
         self.stats.add("recv", 0, buf.nbytes)
-        return _Req(self.comm.Irecv([_as_bytes(buf), MPI.BYTE], source=source, tag=tag))
+        src = MPI.ANY_SOURCE if source is None else source
+        return _Req(self.comm.Irecv([_as_bytes(buf), MPI.BYTE], source=src, tag=tag),
+                    MPI.Status())
 
     def barrier(self) -> None:
         self.comm.Barrier()

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..exceptions import ConfigError
+from .registry import make
 
 
 @dataclass(frozen=True)
@@ -25,8 +26,6 @@ class CompressionSpec:
 
     def make(self):
         """A fresh compressor for this spec (``None`` for ``none``)."""
-        from . import make
-
         return make(self.spec)
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
-from ..backends.base import Communicator
+from ..comm import Communicator
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,8 @@ import numpy as np
 
 from ..exceptions import ConfigError
 from ..kernels import floatcast as fc
-from . import gpu, register
+from . import gpu
+from .registry import register
 from .twophase import TwoPhaseCompressor
 
 #: Elements per scale of ``bucket``-scaled fp8: one scale per tensor of up to this many

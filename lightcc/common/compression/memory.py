@@ -16,7 +16,7 @@ from typing import Any, Iterable, Iterator
 
 import numpy as np
 
-from ..algorithms._ops import array_module, host_copy, like
+from ..arrays import array_module, host_copy, like
 from .base import BucketContext
 
 #: Default steps (batches of the process set) after which an unseen tensor's state is dropped;

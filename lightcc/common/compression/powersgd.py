@@ -28,12 +28,12 @@ from typing import Any
 
 import numpy as np
 
-from ..backends.base import Communicator
+from ..arrays import array_module, host_copy, like
+from ..comm import Communicator
 from ..exceptions import ConfigError
-from . import register
-from ..algorithms._ops import array_module, host_copy, like
 from .base import BucketContext
 from .memory import ResidualMemory, expire, segments
+from .registry import register
 
 
 def matrix_shape(n: int) -> tuple[int, int]:

@@ -17,13 +17,13 @@ from typing import Any
 
 import numpy as np
 
-from ..backends.base import Communicator
+from ..arrays import array_module
+from ..comm import Communicator
 from ..exceptions import ConfigError
-from ..algorithms._ops import array_module
-from . import register
 from .base import BucketContext
 from .gpu import codec_module
 from .memory import ResidualMemory, segments
+from .registry import register
 
 
 class TopKCompressor:
@@ -81,7 +81,7 @@ class TopKCompressor:
         xp, codecs = array_module(buf), codec_module(buf)
         if self.error_feedback and xp is np and \
                 sum(hi - lo for _, _, lo, hi, _ in segments(ctx, n)) == n:
-            idx, vals = self._select(buf, n, ctx)    # one pass (kernels/sparse.ef_topk)
+            idx, vals = self._select(buf, n, ctx)    # one pass (kernels/ef_topk.py)
         else:
             idx, vals = self.compress(buf, ctx)
             buf[:] = 0.0
@@ -105,7 +105,7 @@ class TopKCompressor:
         """Error feedback and each tensor's top-k over a host buffer of ``n`` elements (an
         array, or its tensors as ``(start, array)``) in one pass per tensor, each tensor's
         residual updated in place."""
-        from ..kernels.sparse import ef_topk
+        from ..kernels.ef_topk import ef_topk
 
         parts = self.memory.parts(n, ctx)
         return ef_topk(buf, parts, [self.k_for(r.size) for _, r in parts])

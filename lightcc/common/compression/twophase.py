@@ -35,9 +35,9 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from ..backends.base import Communicator, displacements, even_counts
-from ..backends.base import num_pieces as _num_pieces
-from ..algorithms._ops import array_module
+from ..arrays import array_module, displacements, even_counts
+from ..arrays import num_pieces as _num_pieces
+from ..comm import Communicator
 from .base import BucketContext
 
 #: fp32 bytes per piece of the pipelined scheme (chunks up to this size use the collective one).

@@ -17,6 +17,8 @@ import threading
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from ..exceptions import InvalidArgumentError, LightCCError
 
 log = logging.getLogger("lightcc")
@@ -200,3 +202,24 @@ def _data_ptr(obj: Any) -> int | None:
     if cai is not None:
         return int(cai["data"][0])
     return None
+
+
+def i64(v: int) -> np.int64:
+    """A 64-bit integer kernel argument."""
+    return np.int64(int(v))
+
+
+def launch(module: str, func: str, grid: int, args: tuple) -> None:
+    """Launch ``func`` of csrc module ``module`` on ``grid`` blocks of THREADS threads."""
+    get_function(module, func)((int(grid),), (THREADS,), args)
+
+
+def check_device_array(x: Any, what: str, dtype: Any = None) -> None:
+    """InvalidArgumentError unless ``x`` is a C-contiguous CuPy array (of ``dtype``)."""
+    cupy = cupy_or_raise()
+    if not isinstance(x, cupy.ndarray):
+        raise InvalidArgumentError(f"{what} must be a CuPy array, got {type(x).__name__}")
+    if not x.flags.c_contiguous:
+        raise InvalidArgumentError(f"{what} must be C-contiguous")
+    if dtype is not None and x.dtype != np.dtype(dtype):
+        raise InvalidArgumentError(f"{what} must be {np.dtype(dtype)}, got {x.dtype}")

@@ -17,7 +17,7 @@ from mpi4py import MPI
 
 from lightcc.common import algorithms, topology
 from lightcc.common.algorithms import hierarchical, ring
-from lightcc.common.backends.base import displacements, even_counts
+from lightcc.common.arrays import displacements, even_counts
 from lightcc.common.backends.mpi import MPICommunicator
 from lightcc.common.compression.base import BucketContext
 

@@ -17,7 +17,7 @@ import numpy as np
 
 import lightcc as lcc
 from lightcc.common import algorithms, api
-from lightcc.common.backends.base import even_counts
+from lightcc.common.arrays import even_counts
 from lightcc.common.compression import available_compressors
 from lightcc.common.compression.powersgd import PowerSGDCompressor
 
@@ -151,7 +151,7 @@ for spec in [c for c in available_compressors() if c != "none"]:
 
 # across hosts a tensor of fusion.MULTI_HOST_DIRECT_BYTES or more is reduced alone and in place,
 # compressed too (with LCC_LOCAL_SIZE the ranks form several simulated nodes)
-from lightcc.common import fusion  # noqa: E402
+from lightcc.common.execution import fusion  # noqa: E402
 
 lcc.shutdown()
 lcc.init(min_compress_bytes=1024)

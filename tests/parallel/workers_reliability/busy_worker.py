@@ -19,7 +19,7 @@ import time
 import numpy as np
 
 import lightcc as lcc
-from lightcc.common import faults
+from lightcc.common.observability import faults
 
 mode, victim, stamp = sys.argv[1], int(sys.argv[2]), sys.argv[3]   # argv[4]: a marker
 lcc.init()

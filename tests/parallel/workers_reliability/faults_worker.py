@@ -13,8 +13,8 @@ import numpy as np
 
 import lightcc as lcc
 from lightcc import CollectiveError
-from lightcc.common import faults
-from lightcc.common.faults import InjectedFault
+from lightcc.common.observability import faults
+from lightcc.common.observability.faults import InjectedFault
 
 ALGOS = (sys.argv[1].split(",") if len(sys.argv) > 1
          else ["flat", "hierarchical", "2d", "ring", "tree"])

@@ -9,7 +9,8 @@ import numpy as np
 from mpi4py import MPI
 
 import lightcc as lcc
-from lightcc.common import api, autotune
+from lightcc.common import api
+from lightcc.common.tuning import autotune
 
 mode = sys.argv[1]
 steps = int(sys.argv[2])

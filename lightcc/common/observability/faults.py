@@ -24,7 +24,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Iterable
 
-from .exceptions import ConfigError, LightCCError
+from ..exceptions import ConfigError, LightCCError
 
 ENV = "LCC_TEST_FAULT"
 TIMEOUT_ENV = "LCC_TEST_AGREEMENT_TIMEOUT"
@@ -108,9 +108,9 @@ def agreement_timeout() -> float:
 def _world_rank() -> int:
     global _rank
     if _rank is None:
-        from mpi4py import MPI
+        from ..backends.mpi import world_rank_size
 
-        _rank = MPI.COMM_WORLD.Get_rank()
+        _rank = world_rank_size()[0]
     return _rank
 
 

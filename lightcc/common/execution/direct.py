@@ -29,8 +29,8 @@ it never meets the engine's traffic), one call at a time:
    case of Cauchy-Schwarz). ``m = 0``: every rank has joined. Unequal: the ranks allgather
    their descriptions and each caller raises :class:`MismatchError` naming them.
 2. **Payload** (``here`` = 1): one allreduce in the reduction dtype (float32 for 16-bit
-   floats), plus a NaN mask for floating min/max, as the executor does; joined ranks add
-   zeros. Scaling and averaging follow the executor (``Average`` divides by the set's size).
+   floats), plus a NaN mask for floating min/max, as the host strategy does; joined ranks add
+   zeros. Scaling and averaging follow the host strategy (``Average`` divides by the set's size).
 
 Both are nonblocking and waited for alike: the request is tested in a loop for ~100 us, then
 with sleeps growing to 0.5 ms (a rank waiting for a late one takes no core from it). A wait
@@ -53,9 +53,10 @@ from typing import Any
 
 import numpy as np
 
-from . import dtypes
-from .exceptions import LightCCError, MismatchError, ShutdownError, StallError
-from .executor import _finish_scaling, prescale
+from .. import dtypes
+from ..exceptions import LightCCError, MismatchError, ShutdownError, StallError
+from .fusion import compression_applies
+from .shared import finish_scaling, nan_mask, prescale, restore_nans
 
 log = logging.getLogger("lightcc")
 
@@ -67,50 +68,37 @@ _BACKEND_OPS = ("sum", "min", "max", "prod", "band", "bor", "bxor")
 _HEADER = 12
 
 
-_MPI: Any = None
 
-
-def _mpi() -> Any:
-    global _MPI
-    if _MPI is None:
-        from mpi4py import MPI
-
-        _MPI = MPI
-    return _MPI
-
-
-def eligible(nbytes: int, compression: str, min_compress_bytes: int, limit: int) -> bool:
-    """Whether a blocking unnamed host allreduce of ``nbytes`` takes the direct path."""
-    return nbytes <= limit and (compression == "none" or nbytes < min_compress_bytes)
+def eligible(nbytes: int, compression: str, min_compress_bytes: int, limit: int,
+             dtype: str = "float32", op: str = "average") -> bool:
+    """Whether a blocking unnamed host allreduce of ``nbytes`` takes the direct path: small
+    enough, and no compressor applies (the engine's rule, fusion.compression_applies)."""
+    return nbytes <= limit and compression_applies(compression, op, dtype, nbytes,
+                                                   min_compress_bytes) == "none"
 
 
 class _Plan:
     """What one call signature needs, computed once: the header this rank sends, the sums
-    that mean "every rank sent it", and the payload's MPI type and op."""
+    that mean "every rank sent it", and the payload's reduction dtype and op."""
 
-    __slots__ = ("header", "agreed", "rdt", "mtype", "mop", "nan", "desc")
+    __slots__ = ("header", "agreed", "rdt", "op", "nan", "desc")
 
     header: np.ndarray
     agreed: bytes
 
     def __init__(self, sig: tuple, size: int) -> None:
-        MPI = _mpi()
-        from .backends.mpi import _OPS
-
         dtype, shape, op, direct = sig[0], sig[1], sig[2], sig[7]
         digest = hashlib.blake2b(repr(sig).encode(), digest_size=8).digest()
         h = int.from_bytes(digest, "little")
         mask = (1 << _PIECE) - 1
         a, b, c = h & mask, (h >> _PIECE) & mask, (h >> 2 * _PIECE) & mask
         self.rdt = dtypes.reduce_dtype(dtype)
-        bop = dtypes.backend_op(op, dtype)
+        self.op = bop = dtypes.backend_op(op, dtype)
         self.nan = dtype in dtypes.FLOATING and op in ("min", "max")
         self.header = np.array([1, a, a * a, b, b * b, c, c * c,
                                 _REDUCE_DTYPES.index(self.rdt.name), _BACKEND_OPS.index(bop),
                                 math.prod(shape), int(self.nan), int(direct)], np.int64)
         self.agreed = (self.header * size).tobytes()     # the sums when every member sent it
-        self.mtype = MPI._typedict[self.rdt.char]
-        self.mop = getattr(MPI, _OPS[bop])
         self.desc = _describe(sig)
 
 
@@ -119,7 +107,7 @@ class DirectPath:
 
     def __init__(self, comm: Any, ranks: tuple[int, ...], stall_check: float,
                  stall_shutdown: float) -> None:
-        self.comm = comm                 # mpi4py communicator, this path's alone
+        self.comm = comm                 # a Communicator (with iallreduce), this path's alone
         self.ranks = ranks               # the set's members (global ranks), in set order
         self.size = len(ranks)
         self.stall_check = stall_check
@@ -156,8 +144,8 @@ class DirectPath:
             self.reduced += 1
             buf = np.array(arr, dtype=plan.rdt, order="C", copy=True).reshape(-1)
             prescale(buf, dtype, pre)
-            self._payload(buf, plan.mtype, plan.mop, plan.nan, engine, plan)
-        _finish_scaling(buf, op, dtype, self.size, post)
+            self._payload(buf, plan.op, plan.nan, engine, plan)
+        finish_scaling(buf, op, dtype, self.size, post)
         result = buf.reshape(arr.shape)
         if out is None:
             target = dtypes.SUPPORTED[dtype]
@@ -168,9 +156,6 @@ class DirectPath:
     def serve_join(self, engine: Any, join_handle: Any) -> None:
         """On a rank inside ``join()``: add zeros to the other ranks' direct calls until every
         rank has joined (a header with no contributions)."""
-        MPI = _mpi()
-        from .backends.mpi import _OPS
-
         with self._lock:
             self._check_open()
             while True:
@@ -186,15 +171,13 @@ class DirectPath:
                     continue          # the call goes through the engine, which adds our zeros
                 rdt = np.dtype(_REDUCE_DTYPES[int(total[7]) // m])
                 buf = np.zeros(int(total[9]) // m, rdt)
-                self._payload(buf, MPI._typedict[rdt.char],
-                              getattr(MPI, _OPS[_BACKEND_OPS[int(total[8]) // m]]),
-                              bool(total[10]), engine, None)
+                self._payload(buf, _BACKEND_OPS[int(total[8]) // m], bool(total[10]), engine,
+                              None)
 
     def free(self) -> None:
         """Free the communicator (collective); not after an error left a request posted."""
-        MPI = _mpi()
-        if self.closed is None and self.comm is not None and not MPI.Is_finalized():
-            self.comm.Free()
+        if self.closed is None and self.comm is not None:
+            self.comm.free()
         self.comm = None
 
     # -- pieces --------------------------------------------------------------------------------
@@ -223,9 +206,8 @@ class DirectPath:
 
     def _exchange_header(self, header: np.ndarray, engine: Any, plan: _Plan | None,
                          joined: bool, join_handle: Any = None) -> np.ndarray:
-        MPI = _mpi()
         total = self._total
-        req = self.comm.Iallreduce([header, MPI.INT64_T], [total, MPI.INT64_T], MPI.SUM)
+        req = self.comm.iallreduce(header, total, "sum")
         self._wait(req, engine, plan, not joined, join_handle, "a rank of the process set never "
                    "made its matching call, or gave up on it after a StallError")
         return total
@@ -234,13 +216,13 @@ class DirectPath:
               missing: str) -> None:
         """Test ``req`` until done: a short spin, then growing sleeps; stall warning and error
         (when ``stall``), and errors as soon as lightcc stopped on this or another rank."""
-        if req.Test():
+        if req.test():
             return
         start = time.monotonic()
         spin_until = start + SPIN_S
         warned_at = start
         pause = 10e-6
-        while not req.Test():
+        while not req.test():
             now = time.monotonic()
             if now < spin_until:        # MPI_Test releases the GIL; sleep(0) cost ~100 us
                 continue
@@ -281,26 +263,24 @@ class DirectPath:
         self.closed = exc
         raise exc
 
-    def _payload(self, buf: np.ndarray, mtype: Any, mop: Any, nan: bool, engine: Any,
+    def _payload(self, buf: np.ndarray, op: str, nan: bool, engine: Any,
                  plan: _Plan | None) -> None:
         """Every member passed the header, so all post this at once; it still waits with
         a stall limit, for the member whose header was one it gave up on (a StallError)."""
-        MPI = _mpi()
         gave_up = "a rank gave up on this call (StallError) just after the others matched it"
         mask = None
-        if nan:       # MPI's MIN/MAX may drop a NaN depending on rank order (as the executor)
-            mask = np.isnan(buf).astype(np.uint8)
-            req = self.comm.Iallreduce(MPI.IN_PLACE, [mask, MPI.UINT8_T], MPI.MAX)
-            self._wait(req, engine, plan, True, None, gave_up)
+        if nan:       # as the engine's strategies (shared.needs_nan_mask)
+            mask = nan_mask(buf)
+            self._wait(self.comm.iallreduce(mask, None, "max"), engine, plan, True, None,
+                       gave_up)
         if buf.size:
-            req = self.comm.Iallreduce(MPI.IN_PLACE, [buf, mtype], mop)
-            self._wait(req, engine, plan, True, None, gave_up)
-        if mask is not None and mask.any():
-            buf[mask.view(bool)] = np.nan
+            self._wait(self.comm.iallreduce(buf, None, op), engine, plan, True, None, gave_up)
+        if mask is not None:
+            restore_nans(buf, mask)
 
     def _mismatch(self, what: str, mine: str | None) -> None:
         """Every rank saw the disagreement in the same sums: all gather the descriptions."""
-        seen = self.comm.allgather(mine)
+        seen = self.comm.allgather_object(mine)
         if mine is None:
             return
         parts = [f"rank {r}: {d if d is not None else 'in join()'}"

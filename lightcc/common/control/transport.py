@@ -29,7 +29,7 @@ import struct
 import time
 from typing import Any, Sequence
 
-from .exceptions import LightCCError
+from ..exceptions import LightCCError
 from .negotiation import DEFAULT_FANOUT, layout
 
 log = logging.getLogger("lightcc")

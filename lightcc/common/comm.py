@@ -1,4 +1,4 @@
-"""The ``Communicator`` protocol: the only thing algorithms and compressors see.
+"""The ``Communicator`` protocol: the only thing algorithms, compressors and the direct path see.
 
 A communicator is a fixed group of ranks (world, the ranks on one node, or the ranks with the
 same local rank on every node). Buffers are 1-D, C-contiguous arrays (NumPy, or CuPy for a
@@ -37,11 +37,17 @@ class WireStats:
 
 
 class Request(Protocol):
-    """A non-blocking point-to-point operation."""
+    """A non-blocking operation. A completed receive also tells ``source`` (the sending rank)
+    and ``nbytes`` (bytes received)."""
 
-    def wait(self) -> None: ...
+    def wait(self) -> None:
+        """Block until the operation completes (raises the backend's error if it failed)."""
 
-    def test(self) -> bool: ...
+    def test(self) -> bool:
+        """True once complete; never blocks."""
+
+    def cancel(self) -> None:
+        """Withdraw a pending receive; returns once the buffer is free."""
 
 
 @runtime_checkable
@@ -84,8 +90,8 @@ class Communicator(Protocol):
     def isend(self, buf: Any, dest: int, tag: int = 0) -> Request:
         """Start sending ``buf`` to ``dest``."""
 
-    def irecv(self, buf: Any, source: int, tag: int = 0) -> Request:
-        """Start receiving into ``buf`` from ``source``."""
+    def irecv(self, buf: Any, source: int | None, tag: int = 0) -> Request:
+        """Start receiving into ``buf`` from ``source`` (None: from any rank)."""
 
     def barrier(self) -> None:
         """Wait until every rank has called it."""
@@ -95,36 +101,3 @@ class Communicator(Protocol):
 
     def free(self) -> None:
         """Release the communicator's resources (collective)."""
-
-
-def even_counts(total: int, parts: int) -> list[int]:
-    """Split ``total`` elements into ``parts`` blocks, the first ``total % parts`` one larger."""
-    base, extra = divmod(int(total), int(parts))
-    return [base + (1 if i < extra else 0) for i in range(parts)]
-
-
-def displacements(counts: Sequence[int]) -> list[int]:
-    """Start offsets of consecutive blocks of the given sizes."""
-    out, acc = [], 0
-    for c in counts:
-        out.append(acc)
-        acc += int(c)
-    return out
-
-
-def num_pieces(nbytes: int, piece_bytes: int, max_pieces: int | None = None) -> int:
-    """``ceil(nbytes / piece_bytes)``, at least 1 and at most ``max_pieces`` (None: no cap)."""
-    n = -(-int(nbytes) // max(1, int(piece_bytes)))
-    return max(1, n if max_pieces is None else min(int(max_pieces), n))
-
-
-def sub_blocks(counts: Sequence[int], k: int) -> tuple[list[list[int]], list[list[int]]]:
-    """Cut each block of a buffer of consecutive blocks (``counts``) into ``k`` sub-blocks.
-
-    Returns ``(sizes, starts)``: sub-block ``j`` of block ``r`` is ``sizes[r][j]`` elements
-    starting at offset ``starts[r][j]`` of the whole buffer (the same split on every rank).
-    """
-    sizes = [even_counts(c, k) for c in counts]
-    starts = [[base + off for off in displacements(sz)]
-              for base, sz in zip(displacements(counts), sizes)]
-    return sizes, starts

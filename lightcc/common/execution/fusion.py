@@ -16,20 +16,27 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from .messages import Coll, Response
+from ..control.messages import Coll, Response
+
+
+def compression_applies(compression: str, op: str, dtype: str, nbytes: int,
+                        min_compress_bytes: int = 0) -> str:
+    """The compressor a tensor really gets (the one rule, for the engine and the direct path):
+    none for integer/bool tensors, for ops other than Sum/Average, for float64 (compressors
+    work on float32 buckets) and for tensors under ``min_compress_bytes``. Decided per tensor,
+    so a tensor's treatment does not depend on which other tensors it happened to be fused
+    with."""
+    if (compression in ("", "none") or op not in ("sum", "average")
+            or dtype not in ("float32", "float16", "bfloat16") or nbytes < min_compress_bytes):
+        return "none"
+    return compression
 
 
 def effective_compression(resp: Response, min_compress_bytes: int = 0) -> str:
-    """The compressor a tensor really gets: none for integer/bool tensors, for ops other than
-    Sum/Average, for float64 (compressors work on float32 buckets) and for tensors under
-    ``min_compress_bytes``. Decided per tensor, so a tensor's treatment does not depend on
-    which other tensors it happened to be fused with."""
+    """:func:`compression_applies` for one response's request."""
     req = resp.request
-    if (req.compression in ("", "none") or req.op not in ("sum", "average")
-            or req.dtype not in ("float32", "float16", "bfloat16")
-            or nbytes(resp) < min_compress_bytes):
-        return "none"
-    return req.compression
+    return compression_applies(req.compression, req.op, req.dtype, req.nbytes,
+                               min_compress_bytes)
 
 
 def fusion_key(resp: Response, min_compress_bytes: int = 0) -> tuple | None:

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import Any, NamedTuple
 
-from . import dtypes
+from .. import dtypes
 
 
 class Coll(IntEnum):

@@ -1,13 +1,13 @@
-"""Executing agreed responses whose tensors live on a GPU (the device twin of executor.py).
+"""The device strategy: buckets whose tensors live on a GPU (the twin of host.py/host_ops.py).
 
 Every function runs on the process set's device (``Group.device_comms()``: GPU, engine stream,
 device communicators from the backend factory) with the engine's stream current:
 
 1. the stream waits on each input's ready event (recorded on the producer's stream at submit);
 2. pack into the device fusion buffer (one launch; fp16/bf16 widened to fp32, the prescale
-   folded in), compress and run the algorithm over the device communicators (NCCL, or MPI
-   through pinned memory), unpack (the average's ``1/size`` folded in);
-3. an event recorded on the stream completes each handle (:class:`~.device.Completion`): the
+   folded in), compress and run the planned algorithm over the device communicators (NCCL, or
+   MPI through pinned memory), unpack (the average's ``1/size`` folded in);
+3. an event recorded on the stream completes each handle (:class:`~..device.Completion`): the
    consumer's stream waits on it in ``synchronize()``. No step waits on the host, except what a
    compressor or a staged (MPI) call needs by nature (TopK's candidate count, MPI reading host
    memory).
@@ -23,25 +23,18 @@ from typing import Any
 
 import numpy as np
 
-from . import algorithms, dtypes, executor, fusion
-from .backends import staged
-from .backends.base import displacements, even_counts
-from .compression.base import BucketContext
-from .device import Completion, record_event
+from .. import dtypes
+from ..arrays import displacements, even_counts
+from ..backends import staged
+from ..compression.base import BucketContext
+from ..control.messages import Coll, Response
+from ..device import Completion, record_event
+from ..kernels import cuda as kc
 from .group import Group
-from .kernels import cuda as kc
-from .messages import Coll, Response
-
-#: stored narrow, reduced wider: 16-bit floats in float32 (as on the host); 16-bit integers in
-#: int32, since NCCL has no 16-bit integer type (sum, min and max give the host's results, as
-#: the cast back wraps around; an average of sums beyond 16 bits does not wrap before dividing)
-_WIDENED = {"float16": np.dtype(np.float32), "bfloat16": np.dtype(np.float32),
-            "int16": np.dtype(np.int32), "uint16": np.dtype(np.int32)}
-
-
-def reduce_dtype(name: str) -> np.dtype:
-    """The dtype a device bucket of lightcc dtype ``name`` is reduced in."""
-    return _WIDENED.get(name) or dtypes.reduce_dtype(name)
+from .plan import BucketPlan
+from .shared import (WIDENED, bucket_context, bucket_label, finish_scaling, float_factor, nan_mask,
+                     needs_nan_mask, prescale, reduce_dtype, restore_nans, trace_bucket,
+                     trace_members)
 
 
 def storage_dtype(name: str) -> np.dtype:
@@ -98,9 +91,10 @@ def _run(group: Group, entries: list, body: Any) -> Any:
 
 
 # ---- allreduce --------------------------------------------------------------------------------
-def allreduce_bucket(group: Group, resps: list[Response], entries: list) -> list[Any]:
-    """Device version of :func:`executor.allreduce_bucket` (see module docstring)."""
-    return _run(group, entries, lambda cupy, dev: _allreduce(cupy, group, dev, resps, entries))
+def allreduce(group: Group, plan: BucketPlan, resps: list[Response], entries: list) -> list[Any]:
+    """Device version of :func:`host.allreduce` (see module docstring)."""
+    return _run(group, entries,
+                lambda cupy, dev: _allreduce(cupy, group, dev, plan, resps, entries))
 
 
 def _alone(cupy: Any, entry: Any) -> Any:
@@ -115,8 +109,8 @@ def _alone(cupy: Any, entry: Any) -> Any:
 def _pack(cupy: Any, buf: Any, entries: list, sizes: list[int], name: str,
           scale: float) -> bool:
     """Fill ``buf``; returns whether ``scale`` was applied (fp32 buckets fold it in)."""
-    if name not in _WIDENED and all(e is not None for e in entries):
-        from .compression import gpu       # not at import: it loads numba's CPU kernels
+    if name not in WIDENED and all(e is not None for e in entries):
+        from ..compression import gpu  # not at import: it loads numba's CPU kernels
 
         folded = buf.dtype == np.float32 and scale != 1.0
         gpu.pack([_flat(e.array, buf.dtype) for e in entries], out=buf,
@@ -127,7 +121,7 @@ def _pack(cupy: Any, buf: Any, entries: list, sizes: list[int], name: str,
         part = buf[offset:offset + size]
         if e is None:
             part.fill(0)
-        elif name in _WIDENED:
+        elif name in WIDENED:
             widen(cupy, _flat(e.array), name, part)
         else:
             cupy.copyto(part, _flat(e.array, buf.dtype))
@@ -137,9 +131,9 @@ def _pack(cupy: Any, buf: Any, entries: list, sizes: list[int], name: str,
 
 def _unpack(cupy: Any, buf: Any, entries: list, outs: list, sizes: list[int], name: str,
             factor: float) -> None:
-    if name not in _WIDENED and all(e is not None for e in entries) and \
+    if name not in WIDENED and all(e is not None for e in entries) and \
             (factor == 1.0 or buf.dtype == np.float32):
-        from .compression import gpu
+        from ..compression import gpu
 
         gpu.unpack(buf, [o.reshape(-1).view(buf.dtype) for o in outs],
                    scale=factor if factor != 1.0 else None)
@@ -148,7 +142,7 @@ def _unpack(cupy: Any, buf: Any, entries: list, outs: list, sizes: list[int], na
         if o is None:
             continue
         part = buf[off:off + size]
-        if name in _WIDENED:
+        if name in WIDENED:
             narrow(cupy, part, name, o.reshape(-1), factor)
         elif factor != 1.0:
             cupy.multiply(part, buf.dtype.type(factor), out=o.reshape(-1).view(buf.dtype))
@@ -156,22 +150,21 @@ def _unpack(cupy: Any, buf: Any, entries: list, outs: list, sizes: list[int], na
             cupy.copyto(o.reshape(-1).view(buf.dtype), part)
 
 
-def _allreduce(cupy: Any, group: Group, dev: Any, resps: list[Response],
+def _allreduce(cupy: Any, group: Group, dev: Any, plan: BucketPlan, resps: list[Response],
                entries: list) -> list[Any]:
     req = resps[0].request
-    n = group.topo.size
-    if n == 1 and req.prescale == 1.0 and req.postscale == 1.0:
+    if plan.alone:
         return [None if e is None else _alone(cupy, e) for e in entries]
+    n = group.topo.size
     t0 = time.perf_counter() if group.tracer.enabled else 0.0
     name = req.dtype
-    rdt = reduce_dtype(name)
-    sizes = [int(math.prod(r.request.shape)) for r in resps]
+    rdt = reduce_dtype(name, device=True)
+    sizes = plan.sizes
     floating = name in dtypes.FLOATING
-    spec = fusion.effective_compression(resps[0], group.min_compress_bytes)
-    comp = group.compressor(spec) if spec != "none" else None
-    direct = len(resps) == 1 and name not in _WIDENED and entries[0] is not None
+    comp = plan.compressor
+    inplace = len(resps) == 1 and name not in WIDENED and entries[0] is not None
     scaled = False
-    if direct:
+    if inplace:
         e = entries[0]
         result = _alone(cupy, e) if e.out is not None else e.array.array.copy()
         buf = result.reshape(-1).view(rdt)
@@ -179,33 +172,28 @@ def _allreduce(cupy: Any, group: Group, dev: Any, resps: list[Response],
         buf = group.fusion.get(rdt, sum(sizes), xp=cupy)
         scaled = _pack(cupy, buf, entries, sizes, name, req.prescale if floating else 1.0)
     if not scaled:
-        executor.prescale(buf, name, req.prescale, xp=cupy)
-    offsets = displacements(sizes)
-    names = tuple(r.request.name if e is None or e.request is None else e.request.name
-                  for r, e in zip(resps, entries))
-    bctx = BucketContext(names, tuple(offsets), tuple(sizes), 0, group.step,
-                         tuple(r.request.shape for r in resps))
+        prescale(buf, name, req.prescale, xp=cupy)
+    bctx = bucket_context(group.step, resps, entries, sizes)
     t1 = time.perf_counter() if group.tracer.enabled else 0.0
-    world = dev.topo.world
     op = dtypes.backend_op(req.op, name)
-    nan_mask = None
-    if floating and req.op in ("min", "max"):
-        nan_mask = cupy.isnan(buf).astype(np.uint8)
-        world.allreduce(nan_mask, "max")
+    mask = None
+    if needs_nan_mask(name, req.op):
+        mask = nan_mask(buf)
+        dev.topo.world.allreduce(mask, "max")
     if group.settings.cpu_reduce:
-        used = _host_reduce(group, dev, buf, op, comp, bctx)
+        used = _host_reduce(group, dev, buf, op, comp, bctx, plan)
     else:
-        used = algorithms.allreduce(buf, op, dev.topo, comp, bctx, group.algorithm,
-                                    group.settings.auto)
-    if nan_mask is not None:
-        cupy.copyto(buf, np.float32(np.nan).astype(buf.dtype), where=nan_mask.view(bool))
+        plan.reduce(buf, op, dev.topo, comp, bctx)
+        used = plan.algorithm
+    if mask is not None:
+        restore_nans(buf, mask)
     factor = 1.0
-    if direct or not floating:
-        executor._finish_scaling(buf, req.op, name, n, req.postscale, xp=cupy)
+    if inplace or not floating:
+        finish_scaling(buf, req.op, name, n, req.postscale, xp=cupy)
     else:
-        factor = executor._float_factor(req.op, n, req.postscale)
+        factor = float_factor(req.op, n, req.postscale)
     t2 = time.perf_counter() if group.tracer.enabled else 0.0
-    if direct:
+    if inplace:
         results = [result]
     else:
         outs = [None if e is None else
@@ -215,38 +203,27 @@ def _allreduce(cupy: Any, group: Group, dev: Any, resps: list[Response],
         _unpack(cupy, buf, entries, outs, sizes, name, factor)
         results = outs
     if group.tracer.enabled:
-        _trace(group, resps, int(buf.nbytes), used, comp, t0, t1, t2)
+        trace_bucket(group.tracer, resps, int(buf.nbytes), used, comp, t0, t1, t2, device=True)
+        t3 = time.perf_counter()
+        group.tracer.span(bucket_label(resps), "UNPACK", t2, t3, tensors=len(resps))
+        trace_members(group.tracer, resps, t0, t3)
     return results
 
 
 def _host_reduce(group: Group, dev: Any, buf: Any, op: str, comp: Any,
-                 bctx: BucketContext) -> str:
+                 bctx: BucketContext, plan: BucketPlan) -> str:
     """LCC_CPU_REDUCE: one copy to pinned host memory, the host algorithm, one copy back."""
     host = dev.pinned.view(buf.size, buf.dtype)
     staged.copy_to_host(buf, host, dev.stream)
-    used = algorithms.allreduce(host, op, group.topo, comp, bctx, group.algorithm,
-                                group.settings.auto)
+    plan.reduce(host, op, group.topo, comp, bctx)
     staged.copy_to_device(host, buf, dev.stream)
     dev.pinned.done_with(dev.stream)
-    return "cpu-reduce:" + used
-
-
-def _trace(group: Group, resps: list[Response], nbytes: int, used: str, comp: Any,
-           t0: float, t1: float, t2: float) -> None:
-    """Spans of a device bucket (host times at which the work was queued)."""
-    label = executor._bucket_label(resps)
-    tracer = group.tracer
-    tracer.span(label, "PACK", t0, t1, tensors=len(resps), bytes=nbytes, device=True)
-    tracer.span(label, "ALLREDUCE" if comp is None else "COMPRESSED_ALLREDUCE", t1, t2,
-                algorithm=used, compressor=getattr(comp, "name", "none"), bytes=nbytes)
-    t3 = time.perf_counter()
-    tracer.span(label, "UNPACK", t2, t3, tensors=len(resps))
-    executor._trace_members(tracer, resps, t0, t3)
+    return "cpu-reduce:" + plan.algorithm
 
 
 # ---- the other collectives ----------------------------------------------------------------------
-def execute_single(group: Group, resp: Response, entry: Any) -> Any:
-    """Device version of :func:`executor.execute_single` for the data collectives."""
+def single(group: Group, resp: Response, entry: Any) -> Any:
+    """Device version of :func:`host_ops.single` for the data collectives."""
     run = {Coll.ALLGATHER: _allgather, Coll.BROADCAST: _broadcast, Coll.ALLTOALL: _alltoall,
            Coll.REDUCESCATTER: _reducescatter}[resp.request.coll]
     return _run(group, [entry], lambda cupy, dev: run(cupy, dev, resp, entry))
@@ -286,29 +263,29 @@ def _reducescatter(cupy: Any, dev: Any, resp: Response, entry: Any) -> Any:
     req = resp.request
     world = dev.topo.world
     n, me, name = world.size, world.rank, req.dtype
-    rdt = reduce_dtype(name)
+    rdt = reduce_dtype(name, device=True)
     row = int(math.prod(req.shape[1:]))
     rows = even_counts(req.shape[0], n)
     counts = [r * row for r in rows]
-    if name in _WIDENED:
+    if name in WIDENED:
         send = cupy.empty(entry.array.size, rdt)
         widen(cupy, _flat(entry.array), name, send)
     else:
         send = _flat(entry.array, rdt)
     if req.prescale != 1.0:                             # a new array: the input stays
         send = send.copy()
-        executor.prescale(send, name, req.prescale, xp=cupy)
+        prescale(send, name, req.prescale, xp=cupy)
     recv = cupy.empty(counts[me], rdt)
     mask = None
-    if name in dtypes.FLOATING and req.op in ("min", "max"):
+    if needs_nan_mask(name, req.op):
         mask = cupy.empty(counts[me], np.uint8)
-        world.reduce_scatterv(cupy.isnan(send).astype(np.uint8), mask, counts, "max")
+        world.reduce_scatterv(nan_mask(send), mask, counts, "max")
     world.reduce_scatterv(send, recv, counts, dtypes.backend_op(req.op, name))
     if mask is not None:
-        cupy.copyto(recv, np.float32(np.nan).astype(recv.dtype), where=mask.view(bool))
-    executor._finish_scaling(recv, req.op, name, n, req.postscale, xp=cupy)
+        restore_nans(recv, mask)
+    finish_scaling(recv, req.op, name, n, req.postscale, xp=cupy)
     store = entry.array.array.dtype
-    if name in _WIDENED:
+    if name in WIDENED:
         out = cupy.empty(counts[me], store)
         narrow(cupy, recv, name, out)
     else:

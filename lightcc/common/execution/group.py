@@ -16,11 +16,11 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import compression
-from .algorithms import AutoThresholds
+from .. import compression
+from ..algorithms import AutoThresholds
+from ..topology import Topology
+from ..tracing import NULL, Tracer
 from .fusion import FusionBuffer
-from .topology import Topology
-from .tracing import NULL, Tracer
 
 
 @dataclass(frozen=True)
@@ -113,7 +113,7 @@ class Group:
         on first use, which is collective: the executor calls it for a device bucket, which
         every member executes at the same point."""
         if self.device is None:
-            from .backends import factory
+            from ..backends import factory
 
             self.device = factory.make_device_comms(self.topo, self.settings.backend,
                                                     self.device_id)

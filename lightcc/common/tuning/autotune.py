@@ -7,9 +7,9 @@ executing that batch. The autotuner listens to the engine's ``bucket_done`` even
 into training steps (:class:`StepDetector`), and
 
 * after the first step, computes the fingerprint of cluster, model and lightcc version
-  (:mod:`.autotune_cache`); when the cache holds a setting for it (and the mode is not
+  (:mod:`.cache`); when the cache holds a setting for it (and the mode is not
   ``refresh``), it applies that setting at once, logs one line and never tunes;
-* otherwise it runs the search (:class:`~.autotune_search.SearchLoop`, optuna TPE), applies
+* otherwise it runs the search (:class:`~.search.SearchLoop`, optuna TPE), applies
   the best setting when the search settles (within ``max_steps``, 300 by default), logs one
   line and stores the setting in the cache. ``LCC_AUTOTUNE_LOG`` gets every sample as CSV.
 
@@ -24,8 +24,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from . import autotune_cache as cache
-from .autotune_search import SearchLoop, SearchSpace, Setting, TunerOptions
+from . import cache
+from .search import SearchLoop, SearchSpace, Setting, TunerOptions
 
 log = logging.getLogger("lightcc")
 
@@ -84,7 +84,7 @@ class Autotuner:
                  options: TunerOptions | None = None, space: SearchSpace | None = None) -> None:
         import optuna  # noqa: F401  (import now, not on the engine thread at the first step)
 
-        from . import algorithms
+        from .. import algorithms
 
         self.engine = engine
         self.mode = mode
@@ -108,8 +108,8 @@ class Autotuner:
     def on_event(self, event: str, **info: Any) -> None:
         if event != "bucket_done" or self.state not in ("waiting", "tuning"):
             return
-        from .dtypes import itemsize
-        from .messages import Coll
+        from ..control.messages import Coll
+        from ..dtypes import itemsize
 
         tensors = []
         for resp in info["responses"]:
@@ -145,7 +145,7 @@ class Autotuner:
         self.engine.coordinator.pending_settings.update(setting.as_settings())
 
     def _first_step(self, step: Step) -> None:
-        from .. import __version__
+        from ..._version import __version__
 
         topo = self.engine.topo
         cluster = cache.cluster_fingerprint(topo.node_of_rank,

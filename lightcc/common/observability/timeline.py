@@ -24,7 +24,7 @@ import threading
 import time
 from typing import Any
 
-from .tracing import NULL, Tracer
+from ..tracing import NULL, Tracer
 
 log = logging.getLogger("lightcc")
 

@@ -1,0 +1,159 @@
+"""Applying an agreed batch on this rank: tuned settings, gone ranks, the caches, the bucket
+plan (fusion, remembered for repeated batches), process-set changes, then each bucket through
+execution's door (:func:`.run.run`).
+
+:class:`BatchRunner` is a mixin of :class:`~..engine.Engine` (it uses the engine's in-flight
+table, ordered streams, groups and settings under the engine's locks).
+"""
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from ..backends.mpi import MPICommunicator, thread_multiple
+from ..control.messages import Batch, Coll, OrderedItem, Response
+from ..topology import build
+from . import fusion
+from .direct import DirectPath
+from .group import Group
+from .run import run as run_bucket
+from .shared import LocalEntry
+
+#: Settings of :class:`~.group.ExecSettings` that a batch may change (the autotuner's).
+_EXEC_FIELDS = ("fusion_threshold", "algorithm", "auto_thresholds", "min_compress_bytes",
+                "ring_chunk_bytes", "mpi_chunk_bytes", "ef_ttl_steps")
+PLAN_CACHE = 64             # remembered bucket plans of repeated batches
+
+
+class BatchRunner:
+    """Executing agreed batches, as the engine does it (see module docstring)."""
+
+    def _execute(self, batch: Batch) -> None:
+        if batch.settings:
+            self._apply_settings(batch.settings)
+        if batch.gone:
+            self.gone_ranks = frozenset(batch.gone)
+        responses = self.neg.absorb(batch)
+        self._send_up()           # what the batch demoted goes up rank by rank
+        entries: list = []
+        with self._lock:          # one acquisition for the whole batch
+            for item, resp in zip(batch.items, responses):
+                if isinstance(item, OrderedItem):
+                    entries.append(self._take_ordered(item.pset, item.stream))
+                else:
+                    entries.append(self._inflight.pop(resp.request.key, None))
+        if self._lingering:       # shut down here: only relaying for the children
+            if batch.shutdown:
+                self._remote_shutdown(batch.shutdown)
+            return
+        if self.tracer.enabled:
+            self.tracer.instant("engine", "CYCLE", time.perf_counter(), step=self.batches,
+                                responses=len(responses))
+        touched: set[int] = set()
+        for bucket in self._plan(batch, responses):
+            first = responses[bucket[0]]
+            req = first.request
+            touched.add(req.pset)
+            if not first.error and req.coll in (Coll.ADD_PSET, Coll.REMOVE_PSET):
+                self._change_psets(first)     # the engine's groups change here
+            if run_bucket(self.groups.get(req.pset), [responses[i] for i in bucket],
+                          [entries[i] for i in bucket], self._joined, self.tracer,
+                          self._notify) and req.coll == Coll.JOIN:
+                self._joined = False
+        for pset in touched:
+            group = self.groups.get(pset)
+            if group is not None:
+                group.step += 1
+        self.batches += 1
+        if batch.shutdown:
+            self._remote_shutdown(batch.shutdown)
+
+    def _plan(self, batch: Batch, responses: list[Response]) -> list[list[int]]:
+        """fusion.plan, remembered for batches made only of cache ids (training repeats the
+        same batches step after step; ids name the same responses for the whole run)."""
+        key = None
+        if not batch.joined and all(isinstance(i, int) or (isinstance(i, OrderedItem) and
+                                                            isinstance(i.payload, int))
+                                    for i in batch.items):
+            key = (tuple(batch.items), self.settings.fusion_threshold,
+                   self.settings.min_compress_bytes)
+            buckets = self._plans.get(key)
+            if buckets is not None:
+                return buckets
+        buckets = fusion.plan(responses, self.settings.fusion_threshold,
+                              self.settings.min_compress_bytes, *self._direct)
+        if key is not None:
+            if len(self._plans) >= PLAN_CACHE:
+                self._plans.pop(next(iter(self._plans)))
+            self._plans[key] = buckets
+        return buckets
+
+    def _take_ordered(self, pset: int, stream: int) -> LocalEntry | None:
+        """This rank's next request on an ordered stream (None when it did not submit one:
+        it has joined, or is not a member; a joined member skips the position). Called with
+        ``_lock`` held."""
+        queue = self._streams.get((pset, stream))
+        if queue:
+            entry = queue.popleft()
+            self._inflight.pop(entry.response_key, None)
+            return entry
+        if self.neg.index(pset) is not None:
+            self._seq[(pset, stream)] = self._seq.get((pset, stream), 0) + 1
+        return None
+
+    def _notify(self, event: str, **info: Any) -> None:
+        for listener in self.listeners:
+            listener(event, **info)
+
+    def _apply_settings(self, settings: dict) -> None:
+        """Tuned settings from the coordinator, applied by every rank at the same batch."""
+        exec_changes = {k: v for k, v in settings.items() if k in _EXEC_FIELDS}
+        if exec_changes:
+            if "fusion_threshold" in exec_changes:
+                exec_changes["fusion_threshold"] = int(exec_changes["fusion_threshold"])
+            if "algorithm" in exec_changes:
+                exec_changes["algorithm"] = str(exec_changes["algorithm"])
+            self.settings = self.settings.changed(**exec_changes)
+            for group in self.groups.values():
+                group.apply(self.settings)
+        if self.coordinator is not None:
+            if "cycle_time" in settings:
+                self.coordinator.cycle_time = float(settings["cycle_time"]) / 1000.0
+            if "fusion_threshold" in settings:
+                self.coordinator.fusion_threshold = self.settings.fusion_threshold
+
+    def _direct_path(self, comm: MPICommunicator, ranks: tuple[int, ...]) -> Any:
+        """A process set's direct path (collective over ``comm``: it duplicates it), or None
+        when LCC_DIRECT_BYTES is 0 or MPI lacks MPI_THREAD_MULTIPLE (the calling thread would
+        use MPI beside the engine's)."""
+        if self.config.direct_bytes <= 0 or not thread_multiple():
+            return None
+        return DirectPath(comm.dup("direct"), ranks, self.config.stall_check_time,
+                          self.config.stall_shutdown_time)
+
+    def _change_psets(self, resp: Response) -> None:
+        """Add or remove the process set of an agreed ADD_PSET / REMOVE_PSET response."""
+        if resp.request.coll == Coll.ADD_PSET:
+            self._add_pset(resp)
+        else:
+            self._remove_pset(resp.request.root)
+
+    def _add_pset(self, resp: Response) -> None:
+        ranks = tuple(resp.request.splits)
+        member = self.rank in ranks
+        sub = self.topo.world.split(0 if member else 1, self.rank, f"pset{resp.value}")
+        if member:
+            hosts = [self.hostnames[r] for r in ranks]
+            topo = build(sub, hosts, self.config.local_size)
+            group = Group(resp.value, ranks, topo, self.settings, progress=self._pump,
+                          direct=self._direct_path(sub, ranks))
+            group.set_tracer(self.tracer)
+        else:
+            sub.free()
+            group = Group(resp.value, ranks, None, self.settings)
+        self.groups[resp.value] = group
+
+    def _remove_pset(self, pset_id: int) -> None:
+        group = self.groups.pop(pset_id, None)
+        if group is not None and group.topo is not None:
+            group.free()

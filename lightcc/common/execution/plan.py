@@ -1,0 +1,69 @@
+"""The decisions about one bucket, made once before it runs (:class:`BucketPlan`).
+
+Whether a compressor applies, which algorithm reduces it and whether the ranks must agree on
+its success afterwards all depend only on values equal on every rank (the bucket's responses,
+the process set's settings and topology, ``LCC_MIN_COMPRESS_BYTES``, fault injection), so every
+rank plans alike. The strategies (host.py, device.py) read the plan and decide nothing again.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .. import algorithms
+from ..control.messages import Coll, Response
+from ..observability import faults
+from .fusion import effective_compression
+from .group import Group
+from .shared import prod, reduce_dtype
+
+#: collectives that move data, so a rank may fail in them alone
+_DATA = (Coll.ALLREDUCE, Coll.ALLGATHER, Coll.BROADCAST, Coll.ALLTOALL, Coll.REDUCESCATTER)
+
+
+@dataclass
+class BucketPlan:
+    """How one bucket runs (see module docstring)."""
+
+    coll: Coll
+    device: bool
+    sizes: list[int]                 # elements per tensor (allreduce buckets)
+    compression: str = "none"        # the spec that applies to every tensor, or "none"
+    compressor: Any = None           # the process set's compressor for it
+    algorithm: str = "flat"          # the concrete allreduce algorithm (``auto`` resolved)
+    reduce: Any = None               # its function: reduce(buf, op, topo, compressor, ctx)
+    agreed: bool = False             # ranks agree on its success after it ran
+    alone: bool = False              # an unscaled sum or average over one rank: the input
+    error: Exception | None = None   # raised when it runs (the same on every rank)
+
+    @property
+    def total(self) -> int:
+        return sum(self.sizes)
+
+
+def make(group: Group, resps: list[Response]) -> BucketPlan:
+    """Plan a bucket of ``resps`` (all of one fusion key) on ``group``."""
+    req = resps[0].request
+    coll = Coll(req.coll)
+    if coll != Coll.ALLREDUCE:
+        return BucketPlan(coll, req.device, [], agreed=faults.enabled() and coll in _DATA)
+    plan = BucketPlan(coll, req.device, [prod(r.request.shape) for r in resps])
+    if group.topo.size == 1 and req.prescale == 1.0 and req.postscale == 1.0:
+        plan.alone, plan.agreed = True, faults.enabled()
+        return plan
+    plan.compression = effective_compression(resps[0], group.min_compress_bytes)
+    if plan.compression != "none":   # the same for the whole bucket (it is in the fusion key)
+        plan.compressor = group.compressor(plan.compression)
+    nbytes = plan.total * np.dtype(reduce_dtype(req.dtype, req.device)).itemsize
+    try:
+        topo = group.device_comms().topo if req.device and not group.settings.cpu_reduce \
+            else group.topo
+        plan.algorithm = algorithms.choose(group.algorithm, nbytes, topo, group.settings.auto)
+        plan.reduce = algorithms.get(plan.algorithm)
+    except Exception as exc:      # an unknown algorithm fails on every rank alike
+        plan.error = exc
+    plan.agreed = (faults.enabled() or plan.compressor is not None or plan.error is not None
+                   or plan.algorithm != "flat")
+    return plan
