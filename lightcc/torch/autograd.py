@@ -29,7 +29,7 @@ from ..common import api as _api
 from ..common.api import Average, Max, Min, Product, Sum, global_process_set
 from ..common.exceptions import InvalidArgumentError
 from ..common.messages import Coll
-from . import mpi_ops as _ops
+from . import collectives as _ops
 from .compression import spec_of
 
 HOROVOD = "horovod"

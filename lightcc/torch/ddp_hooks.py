@@ -43,7 +43,7 @@ from ..common.compression.api import Compression, CompressionSpec, spec_of
 from ..common.exceptions import InvalidArgumentError, LightCCError
 from .c10d.backend import DEFAULT_TIMEOUT_S
 from .c10d.futures import LightCCFuture
-from .c10d.ops import stage
+from ._tensor import host_stage
 from .c10d.work import LightCCWork
 
 FutureTensor = torch.futures.Future[torch.Tensor]   # what DDP checks the annotation against
@@ -159,7 +159,7 @@ def _reduce(state: HookState, bucket: dist.GradBucket, family: str,
     ps = state.process_set()
     buf = bucket.buffer()
     what = f"DDP hook '{state.name}' bucket {bucket.index()}"
-    st = stage(buf, what)
+    st = host_stage(buf, what)
     flat = st.array.reshape(-1)
     base = f"{state.name}:b{bucket.index()}"
     if per_tensor:     # each parameter its own scales / k / factors (PowerSGD needs shapes)

@@ -21,10 +21,10 @@ import torch
 from ..common import api as _api
 from ..common.api import Adasum, Average, global_process_set
 from ..common.exceptions import InvalidArgumentError
-from . import mpi_ops as _ops
+from . import collectives as _ops
 from ._tensor import as_array, device_array, stage, torch_stream
 from .compression import Compression, spec_of
-from .functions import broadcast_object
+from .objects import broadcast_object
 
 _STATE_KEY = "lightcc_compression"     # compressor state inside state_dict()
 _IN_PLACE = object()                   # handle info: reduced in the gradient's own memory

@@ -17,7 +17,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from ..common.api import Sum, global_process_set
 from . import basics
-from . import mpi_ops as _ops
+from . import collectives as _ops
 
 
 class SyncBatchNorm(_BatchNorm):

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from ...common import api
 from ...common.exceptions import LightCCError
 from . import ops
-from .ops import stage
+from .._tensor import host_stage
 from .futures import current_chain
 from .p2p import PointToPoint, free_comm
 from .movement import DataMovement
@@ -176,7 +176,7 @@ class ProcessGroupLightCC(DataMovement, dist.ProcessGroup):
         what = self._what(coll)
         if single:
             ops.one(tensors, what)
-        staged = [stage(t, what) for t in tensors]
+        staged = [host_stage(t, what) for t in tensors]
         prepared = [(st, *ops.reduce_op(opts.reduceOp, st.tensor.dtype, what)) for st in staged]
         key, route = self._route(what)
         handles = [api.allreduce_async(st.array, op, prescale_factor=pre, out=st.array,
@@ -194,7 +194,7 @@ class ProcessGroupLightCC(DataMovement, dist.ProcessGroup):
         t = ops.one(tensors, what)
         ops.root_tensor(opts, what)
         root = ops.root(opts.rootRank, self._size, "rootRank", what)
-        st = stage(t, what)
+        st = host_stage(t, what)
         op, pre = ops.reduce_op(opts.reduceOp, t.dtype, what)
         key, route = self._route(what)
         mine = self._rank == root          # only the root's tensor receives the result
@@ -209,7 +209,7 @@ class ProcessGroupLightCC(DataMovement, dist.ProcessGroup):
         t = ops.one(tensors, what)
         ops.root_tensor(opts, what)
         root = ops.root(opts.rootRank, self._size, "rootRank", what)
-        st = stage(t, what)
+        st = host_stage(t, what)
         key, route = self._route(what)
         h = api.broadcast_async(st.array, self._world_ranks[root], out=st.array,   # global rank
                                 **self._kw(route, opts))

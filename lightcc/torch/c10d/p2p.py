@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from ...common.exceptions import InvalidArgumentError, LightCCError
-from .ops import stage
+from .._tensor import host_stage
 from .futures import LightCCFuture
 from .untraced import untraced
 from .work import CollectiveTimeout, FutureWork, seconds
@@ -175,7 +175,7 @@ class PointToPoint:
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int) -> P2PWork:
         what = f"send to rank {dst} (tag {tag}) on group {self.desc}"
         t = self._ready(what, tensors, tag)
-        st = stage(t, what)
+        st = host_stage(t, what)
         buf = st.array.reshape(-1).view("u1")
         req = self.comm.Isend([buf, _mpi().BYTE], dest=int(dst), tag=int(tag))
         work = P2PWork(req, what, self._key("send", dst), self.timeout)
@@ -186,7 +186,7 @@ class PointToPoint:
         peer = "any rank" if src is None else f"rank {src}"
         what = f"recv from {peer} (tag {tag}) on group {self.desc}"
         t = self._ready(what, tensors, tag)
-        st = stage(t, what)
+        st = host_stage(t, what)
         buf = st.array.reshape(-1).view("u1")
         MPI = _mpi()
         source = MPI.ANY_SOURCE if src is None else int(src)
