@@ -412,18 +412,16 @@ def _compression_spec(compression: Any) -> str:
 
 
 # ---- collectives ----------------------------------------------------------------------------
-def allreduce_async(array: Any, op: str | None = None, name: str | None = None,
-                    prescale_factor: float = 1.0, postscale_factor: float = 1.0,
-                    process_set: Any = None, compression: Any = None,
-                    out: np.ndarray | None = None, *, ordered: bool = False,
-                    _wake: bool = True) -> Handle:
-    """Start reducing ``array`` over the process set (default op: Average).
+def _wake_of(wake: bool, _wake: bool | None) -> bool:
+    """``wake``, or the deprecated ``_wake`` keyword when a caller still passes it."""
+    return bool(wake if _wake is None else _wake)
 
-    With ``out`` (same shape and dtype), the result is written there (``out`` may be
-    ``array`` itself for an in-place reduction) and the handle returns it.
-    """
-    eng = _get()
-    arr = _as_array(array, "allreduce")
+
+def _allreduce_request(eng: Engine, arr: Any, op: Any, name: str | None, prescale_factor: float,
+                       postscale_factor: float, process_set: Any, compression: Any,
+                       ordered: bool) -> tuple[Request, int | None, str | None, str]:
+    """An allreduce's request, ordered stream and label, validated (the one place that does it
+    for ``allreduce_async`` and :func:`prepare_allreduce`); ``what`` names it in errors."""
     dt = dtypes.name_of(arr.dtype)
     pset = _pset_id(process_set)
     eng.pset(pset)
@@ -433,11 +431,97 @@ def allreduce_async(array: Any, op: str | None = None, name: str | None = None,
     pre, post = _scales(prescale_factor, postscale_factor, dt, what)
     req = Request(Coll.ALLREDUCE, nm, dt, tuple(arr.shape), op_, -1, pre, post, (),
                   _compression_spec(compression), pset)
+    return req, stream, label, what
+
+
+def allreduce_async(array: Any, op: str | None = None, name: str | None = None,
+                    prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                    process_set: Any = None, compression: Any = None,
+                    out: np.ndarray | None = None, *, ordered: bool = False,
+                    wake: bool = True, _wake: bool | None = None) -> Handle:
+    """Start reducing ``array`` over the process set (default op: Average).
+
+    With ``out`` (same shape and dtype), the result is written there (``out`` may be
+    ``array`` itself for an in-place reduction) and the handle returns it. ``wake=False``: the
+    caller waits for the handle right after this call and drives progress itself, so the
+    background thread is not woken (saves a thread switch); ``_wake`` is its deprecated alias.
+    """
+    eng = _get()
+    arr = _as_array(array, "allreduce")
+    req, stream, label, what = _allreduce_request(eng, arr, op, name, prescale_factor,
+                                                  postscale_factor, process_set, compression,
+                                                  ordered)
     if type(arr) is DeviceTensor:
         req, out = _on_device(req, arr, out, what)
     else:
         _check_out(out, arr, what)
-    return eng.submit(req, arr, out, wake=_wake, stream=stream, label=label)
+    return eng.submit(req, arr, out, wake=_wake_of(wake, _wake), stream=stream, label=label)
+
+
+class Prepared:
+    """An allreduce validated once by :func:`prepare_allreduce`, submitted many times.
+
+    :meth:`submit` queues the same request again without checking anything: the array (and
+    ``out``) must have the prepared shape, dtype and memory kind (host or GPU), which
+    :meth:`fits` tells, together with whether the runtime it was prepared on still runs (not
+    after ``shutdown()``, a re-``init()`` or the removal of its process set).
+    """
+
+    __slots__ = ("_engine", "_request", "_stream", "_label", "_shape", "_dtype", "_kind")
+
+    def __init__(self, eng: Engine, request: Request, stream: int | None, label: str | None,
+                 arr: Any) -> None:
+        self._engine, self._request = eng, request
+        self._stream, self._label = stream, label
+        self._shape, self._dtype, self._kind = tuple(arr.shape), arr.dtype, type(arr)
+
+    @property
+    def name(self) -> str:
+        """The name the request is matched by (a generated one for unnamed calls)."""
+        return self._request.name
+
+    def fits(self, array: Any) -> bool:
+        """True when ``array`` (a NumPy array or a ``device.DeviceTensor``) may be submitted."""
+        eng = self._engine
+        return (eng is _engine and type(array) is self._kind and array.shape == self._shape
+                and array.dtype == self._dtype and self._request.pset in eng.groups)
+
+    def submit(self, array: Any, out: Any = None, *, wake: bool = True) -> Handle:
+        """Queue the prepared allreduce of ``array`` (result in ``out`` when given)."""
+        return self._engine.submit(self._request, array, out, wake=wake, stream=self._stream,
+                                   label=self._label)
+
+    def __repr__(self) -> str:
+        return f"<Prepared {self._request.describe()} {self._shape} {self._dtype}>"
+
+
+def prepare_allreduce(array: Any, op: str | None = None, name: str | None = None,
+                      prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                      process_set: Any = None, compression: Any = None, *,
+                      ordered: bool = False) -> Prepared:
+    """Validate an allreduce of ``array`` once (the errors of :func:`allreduce_async`) for
+    repeated :meth:`Prepared.submit` calls: a gradient reduced every step pays for the checks at
+    the first step only. ``array`` fixes the shape, dtype and memory kind; its values are not
+    used here."""
+    eng = _get()
+    arr = _as_array(array, "allreduce")
+    req, stream, label, what = _allreduce_request(eng, arr, op, name, prescale_factor,
+                                                  postscale_factor, process_set, compression,
+                                                  ordered)
+    if type(arr) is DeviceTensor:
+        req, _ = _on_device(req, arr, None, what)
+    return Prepared(eng, req, stream, label, arr)
+
+
+def compressor(process_set: Any = None, spec: Any = None, create: bool = False) -> Any:
+    """The process set's compressor for the compression ``spec`` (a ``Compression`` value or
+    spec string), which holds its error-feedback residuals and PowerSGD factors; None for no
+    compression, or when ``create`` is False and none was made yet."""
+    spec_ = _compression_spec(spec)
+    if spec_ == "none":
+        return None
+    group = _get().group(_pset_id(process_set))
+    return group.compressor(spec_) if create else group.compressors.get(spec_)
 
 
 def allreduce(array: Any, op: str | None = None, name: str | None = None,
@@ -457,7 +541,7 @@ def allreduce(array: Any, op: str | None = None, name: str | None = None,
             return result
     return synchronize(allreduce_async(array, op, name, prescale_factor, postscale_factor,
                                        process_set, compression, out, ordered=ordered,
-                                       _wake=False))
+                                       wake=False))
 
 
 def allreduce_direct(array: Any, op: str | None, prescale_factor: float,
@@ -530,7 +614,8 @@ def grouped_allreduce(arrays: Sequence[Any], op: str | None = None, name: str | 
 
 
 def allgather_async(array: Any, name: str | None = None, process_set: Any = None, *,
-                    ordered: bool = False, _wake: bool = True) -> Handle:
+                    ordered: bool = False, wake: bool = True,
+                    _wake: bool | None = None) -> Handle:
     """Start concatenating every rank's ``array`` along the first dimension (sizes may differ)."""
     eng = _get()
     arr = _as_array(array, "allgather")
@@ -544,18 +629,19 @@ def allgather_async(array: Any, name: str | None = None, process_set: Any = None
     req = Request(Coll.ALLGATHER, nm, dt, tuple(arr.shape), pset=pset)
     if type(arr) is DeviceTensor:
         req, _ = _on_device(req, arr, None, f"allgather '{nm}'")
-    return eng.submit(req, arr, wake=_wake, stream=stream, label=label)
+    return eng.submit(req, arr, wake=_wake_of(wake, _wake), stream=stream, label=label)
 
 
 def allgather(array: Any, name: str | None = None, process_set: Any = None, *,
               ordered: bool = False) -> np.ndarray:
     return synchronize(allgather_async(array, name, process_set, ordered=ordered,
-                                       _wake=False))
+                                       wake=False))
 
 
 def broadcast_async(array: Any, root_rank: int, name: str | None = None,
                     process_set: Any = None, out: np.ndarray | None = None, *,
-                    ordered: bool = False, _wake: bool = True) -> Handle:
+                    ordered: bool = False, wake: bool = True,
+                    _wake: bool | None = None) -> Handle:
     """Start copying ``root_rank``'s ``array`` to every member of the process set.
 
     ``root_rank`` is a *global* rank (a member of the set), as in Horovod for every framework.
@@ -573,7 +659,7 @@ def broadcast_async(array: Any, root_rank: int, name: str | None = None,
         req, out = _on_device(req, arr, out, f"broadcast '{nm}'")
     else:
         _check_out(out, arr, f"broadcast '{nm}'")
-    return eng.submit(req, arr, out, wake=_wake, stream=stream, label=label)
+    return eng.submit(req, arr, out, wake=_wake_of(wake, _wake), stream=stream, label=label)
 
 
 def _root_index(root_rank: Any, members: Sequence[int], world_size: int, what: str) -> int:
@@ -596,15 +682,50 @@ def _root_index(root_rank: Any, members: Sequence[int], world_size: int, what: s
     return list(members).index(root)
 
 
+def process_set_ranks(process_set: Any = None) -> tuple[int, ...]:
+    """The world ranks of ``process_set`` (None: all ranks), in ascending order."""
+    return tuple(_get().pset(_pset_id(process_set)).ranks)
+
+
+def process_set_rank(process_set: Any = None) -> int:
+    """This process's index within ``process_set`` (-1 when it is not a member)."""
+    eng = _get()
+    idx = eng.pset(_pset_id(process_set)).index(eng.rank)
+    return -1 if idx is None else idx
+
+
+def root_index(root_rank: Any, process_set: Any = None, what: str = "broadcast") -> int:
+    """The index within ``process_set`` of the *global* rank ``root_rank``; raises
+    InvalidArgumentError naming ``what`` when it is not an int, out of range or not a member
+    (checked before anything is sent, so every member raises alike)."""
+    eng = _get()
+    return _root_index(root_rank, eng.pset(_pset_id(process_set)).ranks, eng.size, what)
+
+
+def auto_name(collective: Any, process_set: Any = None) -> str:
+    """The next Horovod-style generated name (``allreduce.noname.7``) of ``collective`` (a
+    ``Coll`` or its lower-case name) on ``process_set``; counters are per type and set."""
+    if isinstance(collective, str):
+        try:
+            collective = Coll[collective.upper()]
+        except KeyError:
+            raise InvalidArgumentError(f"unknown collective {collective!r}") from None
+    elif not isinstance(collective, Coll):
+        raise InvalidArgumentError(f"collective must be a Coll or its name, got {collective!r}")
+    eng, pid = _get(), _pset_id(process_set)
+    eng.pset(pid)
+    return eng.auto_name(collective, pid)
+
+
 def broadcast(array: Any, root_rank: int, name: str | None = None,
               process_set: Any = None, *, ordered: bool = False) -> np.ndarray:
     return synchronize(broadcast_async(array, root_rank, name, process_set, ordered=ordered,
-                                       _wake=False))
+                                       wake=False))
 
 
 def alltoall_async(array: Any, splits: Sequence[int] | None = None, name: str | None = None,
                    process_set: Any = None, *, ordered: bool = False,
-                   _wake: bool = True) -> Handle:
+                   wake: bool = True, _wake: bool | None = None) -> Handle:
     """Start an all-to-all: rows ``splits[r]`` of ``array`` go to rank r (even split if None).
 
     The result is ``(output, received_splits)`` when ``splits`` is given, else ``output``.
@@ -637,7 +758,7 @@ def alltoall_async(array: Any, splits: Sequence[int] | None = None, name: str | 
     req = Request(Coll.ALLTOALL, nm, dt, tuple(arr.shape), splits=split_list, pset=pset)
     if type(arr) is DeviceTensor:
         req, _ = _on_device(req, arr, None, what)
-    handle = eng.submit(req, arr, wake=_wake, stream=stream, label=label)
+    handle = eng.submit(req, arr, wake=_wake_of(wake, _wake), stream=stream, label=label)
     if splits is None:
         return _Derived(handle, lambda res: res[0])
     return handle
@@ -646,13 +767,13 @@ def alltoall_async(array: Any, splits: Sequence[int] | None = None, name: str | 
 def alltoall(array: Any, splits: Sequence[int] | None = None, name: str | None = None,
              process_set: Any = None, *, ordered: bool = False) -> Any:
     return synchronize(alltoall_async(array, splits, name, process_set, ordered=ordered,
-                                      _wake=False))
+                                      wake=False))
 
 
 def reducescatter_async(array: Any, op: str | None = None, name: str | None = None,
                         process_set: Any = None, prescale_factor: float = 1.0,
                         postscale_factor: float = 1.0, *, ordered: bool = False,
-                        _wake: bool = True) -> Handle:
+                        wake: bool = True, _wake: bool | None = None) -> Handle:
     """Start reducing ``array`` and scattering its first dimension (earlier ranks get extra)."""
     eng = _get()
     arr = _as_array(array, "reducescatter")
@@ -668,30 +789,31 @@ def reducescatter_async(array: Any, op: str | None = None, name: str | None = No
     req = Request(Coll.REDUCESCATTER, nm, dt, tuple(arr.shape), op_, -1, pre, post, pset=pset)
     if type(arr) is DeviceTensor:
         req, _ = _on_device(req, arr, None, what)
-    return eng.submit(req, arr, wake=_wake, stream=stream, label=label)
+    return eng.submit(req, arr, wake=_wake_of(wake, _wake), stream=stream, label=label)
 
 
 def reducescatter(array: Any, op: str | None = None, name: str | None = None,
                   process_set: Any = None, prescale_factor: float = 1.0,
                   postscale_factor: float = 1.0, *, ordered: bool = False) -> np.ndarray:
     return synchronize(reducescatter_async(array, op, name, process_set, prescale_factor,
-                                           postscale_factor, ordered=ordered, _wake=False))
+                                           postscale_factor, ordered=ordered, wake=False))
 
 
 def barrier_async(process_set: Any = None, name: str | None = None, *,
-                  ordered: bool = False, _wake: bool = True) -> Handle:
+                  ordered: bool = False, wake: bool = True,
+                    _wake: bool | None = None) -> Handle:
     """Start a barrier; the handle completes once every rank of the process set has called it."""
     eng = _get()
     pset = _pset_id(process_set)
     eng.pset(pset)
     nm, stream, label = _name(eng, Coll.BARRIER, name, pset, ordered)
-    return eng.submit(Request(Coll.BARRIER, nm, pset=pset), wake=_wake, stream=stream,
-                      label=label)
+    return eng.submit(Request(Coll.BARRIER, nm, pset=pset), wake=_wake_of(wake, _wake),
+                      stream=stream, label=label)
 
 
 def barrier(process_set: Any = None, *, ordered: bool = False) -> None:
     """Wait until every rank of the process set has called ``barrier``."""
-    synchronize(barrier_async(process_set, ordered=ordered, _wake=False))
+    synchronize(barrier_async(process_set, ordered=ordered, wake=False))
 
 
 def join() -> int:

@@ -159,3 +159,11 @@ def test_gpu_compressor_check_runs_on_the_gpu_doubles():
     out = run_mpi(2, ["tests/gpu/compressors_worker.py"],
                   env={"LCC_BACKEND": "mpi", "LCC_TEST_DOUBLES": "1"}, timeout=300).stdout
     assert out.count("gpu compressors ok") == 2, out
+
+
+@pytest.mark.parametrize("np_", [2, 3])
+def test_public_door_prepared_compressor_psets_wake_and_p2p(np_):
+    """lightcc.common.api's door for the torch layer and backends.mpi's bootstrap and
+    point-to-point calls, errors included (workers_core/door.py)."""
+    out = run_mpi(np_, [W + "door.py"]).stdout
+    assert out.count("door ok") == np_, out

@@ -37,11 +37,17 @@ class WireStats:
 
 
 class Request(Protocol):
-    """A non-blocking point-to-point operation."""
+    """A non-blocking operation. A completed receive also tells ``source`` (the sending rank)
+    and ``nbytes`` (bytes received)."""
 
-    def wait(self) -> None: ...
+    def wait(self) -> None:
+        """Block until the operation completes (raises the backend's error if it failed)."""
 
-    def test(self) -> bool: ...
+    def test(self) -> bool:
+        """True once complete; never blocks."""
+
+    def cancel(self) -> None:
+        """Withdraw a pending receive; returns once the buffer is free."""
 
 
 @runtime_checkable
@@ -84,8 +90,8 @@ class Communicator(Protocol):
     def isend(self, buf: Any, dest: int, tag: int = 0) -> Request:
         """Start sending ``buf`` to ``dest``."""
 
-    def irecv(self, buf: Any, source: int, tag: int = 0) -> Request:
-        """Start receiving into ``buf`` from ``source``."""
+    def irecv(self, buf: Any, source: int | None, tag: int = 0) -> Request:
+        """Start receiving into ``buf`` from ``source`` (None: from any rank)."""
 
     def barrier(self) -> None:
         """Wait until every rank has called it."""

@@ -70,16 +70,72 @@ def _timed(call: str):
 
 
 class _Req:
-    """Adapts an mpi4py request to the protocol's ``wait``/``test``."""
+    """Adapts an mpi4py request to the protocol's ``wait``/``test``/``cancel``; a receive also
+    tells, once complete, the rank it came from (``source``) and its size (``nbytes``)."""
 
-    def __init__(self, req: Any) -> None:
-        self._req = req
+    __slots__ = ("_req", "_status")
+
+    def __init__(self, req: Any, status: Any = None) -> None:
+        self._req, self._status = req, status
 
     def wait(self) -> None:
-        self._req.Wait()
+        self._req.Wait(self._status)
 
     def test(self) -> bool:
-        return bool(self._req.Test())
+        return bool(self._req.Test(self._status))
+
+    def cancel(self) -> None:
+        """Withdraw a pending receive and wait until MPI has let go of the buffer."""
+        self._req.Cancel()
+        self._req.Wait()
+
+    @property
+    def source(self) -> int:
+        return int(self._status.Get_source())
+
+    @property
+    def nbytes(self) -> int:
+        return int(self._status.Get_count(_mpi().BYTE))
+
+
+def thread_multiple() -> bool:
+    """True when MPI runs with MPI_THREAD_MULTIPLE (threads besides the engine's may call it)."""
+    MPI = _mpi()
+    return MPI.Query_thread() == MPI.THREAD_MULTIPLE
+
+
+def world_bcast(obj: Any, root: int = 0) -> Any:
+    """``root``'s small picklable ``obj`` on every rank of the world (collective; for bootstraps
+    that run before ``init()``, such as the c10d rendezvous)."""
+    return _mpi().COMM_WORLD.bcast(obj, root=root)
+
+
+def world_rank_size() -> tuple[int, int]:
+    """This process's world rank and the world size, from MPI (works before ``init()``)."""
+    comm = _mpi().COMM_WORLD
+    return comm.Get_rank(), comm.Get_size()
+
+
+def max_tag() -> int:
+    """The largest point-to-point tag MPI accepts (MPI_TAG_UB)."""
+    MPI = _mpi()
+    return int(MPI.COMM_WORLD.Get_attr(MPI.TAG_UB))
+
+
+def p2p_communicator(world_ranks: Sequence[int] | None, name: str = "p2p") -> Any:
+    """A communicator of its own for point-to-point traffic beside the engine's (collective over
+    its members: ``None`` means the whole world, else only the listed world ranks call it), or
+    None when MPI lacks MPI_THREAD_MULTIPLE."""
+    MPI = _mpi()
+    if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
+        return None
+    if world_ranks is None:
+        return MPICommunicator(MPI.COMM_WORLD.Dup(), name)
+    group = MPI.COMM_WORLD.Get_group().Incl([int(r) for r in world_ranks])
+    try:
+        return MPICommunicator(MPI.COMM_WORLD.Create_group(group, tag=4242), name)
+    finally:
+        group.Free()
 
 
 def agree_over(comm: Any, rank: int, size: int, failed: bool, what: str,
@@ -290,10 +346,13 @@ class MPICommunicator:
         self.stats.add("send", buf.nbytes, 0)
         return _Req(self.comm.Isend([_as_bytes(buf), MPI.BYTE], dest=dest, tag=tag))
 
-    def irecv(self, buf: np.ndarray, source: int, tag: int = 0) -> _Req:
+    def irecv(self, buf: np.ndarray, source: int | None, tag: int = 0) -> _Req:
+        """Start receiving into ``buf`` from ``source`` (None: any rank)."""
         MPI = _mpi()
         self.stats.add("recv", 0, buf.nbytes)
-        return _Req(self.comm.Irecv([_as_bytes(buf), MPI.BYTE], source=source, tag=tag))
+        src = MPI.ANY_SOURCE if source is None else source
+        return _Req(self.comm.Irecv([_as_bytes(buf), MPI.BYTE], source=src, tag=tag),
+                    MPI.Status())
 
     def barrier(self) -> None:
         self.comm.Barrier()
