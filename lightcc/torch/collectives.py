@@ -20,7 +20,6 @@ import torch
 
 from ..common import api as _api
 from ..common.api import Average, Sum, global_process_set
-from ..common.messages import Coll
 from . import basics
 from ._tensor import core_result, from_array, result_like, stage, to_device, torch_stream
 
@@ -93,35 +92,9 @@ def handle_average_backwards_compatibility(op: Any, average: Any) -> Any:
     return Average
 
 
-from ..common.api import _pset_id  # noqa: E402  (one definition, in the core)
-
-
-def _pset_size(process_set: Any) -> int:
-    return len(_api.engine().pset(_pset_id(process_set)).ranks)
-
-
-def _pset_rank(process_set: Any) -> int:
-    idx = _api.engine().pset(_pset_id(process_set)).index(_api.rank())
-    return -1 if idx is None else idx
-
-
-def _check_root(root_rank: Any, process_set: Any, what: str) -> None:
-    """Raise on this rank, before anything is sent, unless the global rank ``root_rank`` is
-    a member of ``process_set`` (every member checks the same thing, so none is left waiting).
-    """
-    members = _api.engine().pset(_pset_id(process_set)).ranks
-    _api._root_index(root_rank, members, _api.size(), what)
-
-
-def _first_member(process_set: Any) -> int:
-    """The lowest global rank of ``process_set`` (a root every member can name)."""
-    return _api.engine().pset(_pset_id(process_set)).ranks[0]
-
-
-def _base_name(coll: Coll, name: str | None, process_set: Any) -> str:
-    if name is not None:
-        return name
-    return _api.engine().auto_name(coll, _pset_id(process_set))
+def _base_name(coll: str, name: str | None, process_set: Any) -> str:
+    """``name``, or the next generated one (``allgather.noname.7``) for a grouped call."""
+    return name if name is not None else _api.auto_name(coll, process_set)
 
 
 # ---- allreduce --------------------------------------------------------------------------------
@@ -243,7 +216,7 @@ def sparse_allreduce_async(tensor: torch.Tensor, name: str, op: Any,
     h_idx = allgather_async(t.indices().transpose(0, 1).contiguous(), name=f"{name}.indices",
                             process_set=process_set)
     h_val = allgather_async(t.values(), name=f"{name}.values", process_set=process_set)
-    n = _pset_size(process_set)
+    n = len(_api.process_set_ranks(process_set))
 
     def wait() -> torch.Tensor:
         values = synchronize(h_val)
@@ -267,7 +240,7 @@ def allgather_async(tensor: torch.Tensor, name: str | None = None,
 
 def grouped_allgather_async(tensors: Sequence[torch.Tensor], name: str | None = None,
                             process_set: Any = global_process_set) -> int:
-    base = _base_name(Coll.ALLGATHER, name, process_set)
+    base = _base_name("allgather", name, process_set)
     staged = [stage(t, "grouped_allgather") for t in tensors]
     core = _api.GroupHandle([_api.allgather_async(s.array, f"{base}.{i}", process_set)
                              for i, s in enumerate(staged)])
@@ -310,7 +283,7 @@ def broadcast_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
 
 def _splits_list(tensor: torch.Tensor, splits: Any, process_set: Any) -> list[int] | None:
     if splits is None:
-        n = _pset_size(process_set)
+        n = len(_api.process_set_ranks(process_set))
         if tensor.dim() == 0 or tensor.shape[0] % n:
             return None     # the core reports the problem with its message
         return [tensor.shape[0] // n] * n
@@ -348,7 +321,7 @@ def grouped_reducescatter_async(tensors: Sequence[torch.Tensor], name: str | Non
                                 op: Any = Average, process_set: Any = global_process_set,
                                 prescale_factor: float = 1.0,
                                 postscale_factor: float = 1.0) -> int:
-    base = _base_name(Coll.REDUCESCATTER, name, process_set)
+    base = _base_name("reducescatter", name, process_set)
     staged = [stage(t, "grouped_reducescatter") for t in tensors]
     core = _api.GroupHandle([_api.reducescatter_async(s.array, op, f"{base}.{i}", process_set,
                                                       prescale_factor, postscale_factor)

@@ -118,7 +118,7 @@ class HookState:
 
     def _engine_compressor(self) -> Any:
         """The engine's compressor of this hook's process set (it holds the residuals)."""
-        return api.engine().group(self.process_set().process_set_id).compressor(self.spec)
+        return api.compressor(self.process_set(), self.spec, create=True)
 
     def state_dict(self) -> dict[str, Any]:
         """Error-feedback residuals (and PowerSGD factors) of this hook's buckets."""

@@ -9,10 +9,11 @@ from typing import Any, Iterable
 
 import torch
 
+from ..common import api as _api
 from ..common.api import global_process_set
 from . import collectives as _ops
 from .objects import allgather_object, broadcast_object
-from .optimizer import _DistributedOptimizer
+from .optimizer_setup import WrappedOptimizer
 
 
 def broadcast_parameters(params: Any, root_rank: int,
@@ -29,7 +30,7 @@ def broadcast_parameters(params: Any, root_rank: int,
         items = [p if isinstance(p, tuple) else (None, p) for p in params]
     else:
         raise ValueError(f"invalid params of type: {type(params)}")
-    _ops._check_root(root_rank, process_set, "broadcast_parameters")
+    _api.root_index(root_rank, process_set, "broadcast_parameters")
     handles = [_ops.broadcast_async_(p, root_rank, name, process_set) for name, p in items]
     for handle in handles:
         _ops.synchronize(handle)
@@ -47,7 +48,7 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int,
     it to that set's members."""
     if isinstance(optimizer, torch.optim.LBFGS):
         raise ValueError("cannot broadcast torch.optim.LBFGS state")
-    _ops._check_root(root_rank, process_set, "broadcast_optimizer_state")
+    _api.root_index(root_rank, process_set, "broadcast_optimizer_state")
     state_dict = optimizer.state_dict()
     if len(state_dict["state"]) == 0:
         _init_state(optimizer, model)
@@ -92,7 +93,7 @@ def _init_state(optimizer: torch.optim.Optimizer, model: torch.nn.Module | None)
                 if isinstance(optimizer, torch.optim.SparseAdam) or id(p) in sparse:
                     p.grad = p.grad.to_sparse()
     # A DistributedOptimizer's own step() would allreduce: step the wrapped one instead.
-    inner = optimizer._opt if isinstance(optimizer, _DistributedOptimizer) else optimizer
+    inner = optimizer._opt if isinstance(optimizer, WrappedOptimizer) else optimizer
     inner.step()
 
 

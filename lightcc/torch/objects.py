@@ -42,7 +42,7 @@ def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None,
     ``None``.
     """
     name = "broadcast_object" if name is None else name
-    _ops._check_root(root_rank, process_set, "broadcast_object")
+    _api.root_index(root_rank, process_set, "broadcast_object")
     is_root = _api.rank() == root_rank
     payload = _dumps(obj) if is_root else None
     size = torch.tensor([payload.numel() if is_root else 0], dtype=torch.int64)
