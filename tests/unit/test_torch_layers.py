@@ -82,6 +82,12 @@ def scan(mod: str, is_pkg: bool, source: str, known: set[str]) -> tuple[set[str]
                 and node.value.id in common_names:
             if _private(node.attr) or node.attr in NOT_THE_DOOR:
                 problems.append(f"line {node.lineno}: uses {node.value.id}.{node.attr}")
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
+                and isinstance(node.func.value, ast.Name) and node.func.value.id in common_names:
+            for kw in node.keywords:
+                if kw.arg and _private(kw.arg):
+                    problems.append(f"line {node.lineno}: passes {kw.arg}= to "
+                                    f"{node.func.value.id}.{node.func.attr}")
     deps.discard(mod)
     return deps, problems
 
@@ -130,12 +136,14 @@ def test_the_checker_sees_each_violation():
         "from . import b\n"
         "def f():\n"
         "    from mpi4py import MPI\n"
-        "    return _api.engine(), _api._root_index, MPI\n")
+        "    return _api.engine(), _api._root_index, MPI\n"
+        "_api.allreduce_async(x, _wake=False)\n")
     deps, problems = scan("lightcc.torch.a", False, source_a, known)
     assert deps == {"lightcc.torch.b"}
     text = "\n".join(problems)
     for expected in ("imports private lightcc.common.api._pset_id", "imports mpi4py",
-                     "uses _api.engine", "uses _api._root_index"):
+                     "uses _api.engine", "uses _api._root_index",
+                     "passes _wake= to _api.allreduce_async"):
         assert expected in text, (expected, problems)
     # a deferred import back to a is still an edge, and a cycle
     deps_b, _ = scan("lightcc.torch.b", False, "def g():\n    from .a import x\n", known)
