@@ -26,7 +26,7 @@ from .mpi_ops import (allgather, allgather_async, allreduce, allreduce_, allredu
                       grouped_allreduce_async, grouped_allreduce_async_, grouped_reducescatter,
                       grouped_reducescatter_async, join, poll, reducescatter,
                       reducescatter_async, sparse_allreduce_async, synchronize)
-from .autograd import gradient_semantics, set_gradient_semantics  # after .mpi_ops (a cycle)
+from .autograd import gradient_semantics, set_gradient_semantics
 from .optimizer import DistributedOptimizer
 from .sync_batch_norm import SyncBatchNorm
 from . import c10d as _c10d

@@ -28,8 +28,7 @@ from torch.autograd import Function
 from ..common import api as _api
 from ..common.api import Average, Max, Min, Product, Sum, global_process_set
 from ..common.exceptions import InvalidArgumentError
-from ..common.control.messages import Coll
-from . import mpi_ops as _ops
+from . import collectives as _ops
 from .compression import spec_of
 
 HOROVOD = "horovod"
@@ -99,7 +98,7 @@ def _allreduce_grad(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
     if op == Product:   # d y / d x_r = post * pre^n * prod_{k != r} x_k, exact with zeros
         gathered = allgather(x.detach().unsqueeze(0), process_set=ps)
         others = gathered.clone()
-        others[_ops._pset_rank(ps)] = 1
+        others[_api.process_set_rank(ps)] = 1
         n = gathered.shape[0]
         return total * ctx.post * ctx.pre ** n * torch.prod(others, dim=0)
     # Min/Max: the rank(s) holding the extremum get the gradient; ties share it equally.
@@ -155,7 +154,7 @@ def grouped_allreduce(tensors: Sequence[torch.Tensor], average: Any = None,
     if not tensors:
         return []
     if op not in (Sum, Average) or spec_of(compression) is None:
-        base = _ops._base_name(Coll.ALLREDUCE, name, process_set)
+        base = _ops._base_name("allreduce", name, process_set)
         return [allreduce(t, None, f"{base}.{i}", compression, op, prescale_factor,
                           postscale_factor, process_set) for i, t in enumerate(tensors)]
     comp = None if spec_of(compression) == "none" else compression
@@ -169,7 +168,7 @@ def _allgather_grad(grad: torch.Tensor, dim0: int, process_set: Any,
     total = _ops._allreduce_now(grad.contiguous(), False, None, _gather_reduce_op(mode), 1.0,
                                 1.0, process_set)
     dims = allgather(torch.tensor([dim0], dtype=torch.int64), process_set=process_set)
-    offset = int(dims[:_ops._pset_rank(process_set)].sum())
+    offset = int(dims[:_api.process_set_rank(process_set)].sum())
     return total.narrow(0, offset, dim0)
 
 
@@ -266,7 +265,8 @@ def alltoall(tensor: torch.Tensor, splits: Any = None, name: str | None = None,
 class _Reducescatter(Function):
     @staticmethod
     def forward(ctx, tensor, name, op, process_set, pre, post):
-        ctx.scale = _scatter_grad_scale(op, pre, post, _ops._pset_size(process_set), _semantics)
+        n = len(_api.process_set_ranks(process_set))
+        ctx.scale = _scatter_grad_scale(op, pre, post, n, _semantics)
         ctx.process_set = process_set
         return _ops.synchronize(_ops.reducescatter_async(tensor, name, op, process_set, pre,
                                                          post))
@@ -306,7 +306,8 @@ def reducescatter(tensor: torch.Tensor, name: str | None = None, compression: An
 class _GroupedReducescatter(Function):
     @staticmethod
     def forward(ctx, name, op, process_set, pre, post, *tensors):
-        ctx.scale = _scatter_grad_scale(op, pre, post, _ops._pset_size(process_set), _semantics)
+        n = len(_api.process_set_ranks(process_set))
+        ctx.scale = _scatter_grad_scale(op, pre, post, n, _semantics)
         ctx.process_set = process_set
         return tuple(_ops.synchronize(_ops.grouped_reducescatter_async(
             tensors, name, op, process_set, pre, post)))

@@ -11,6 +11,7 @@ import logging
 from typing import Any, Sequence
 
 from ..common import api as _api
+from ..common.backends import mpi as mpi_backend
 from ..common.exceptions import NotInitializedError
 
 log = logging.getLogger("lightcc")
@@ -61,9 +62,7 @@ def _require_init() -> None:
 def mpi_threads_supported() -> bool:
     """True when MPI runs with MPI_THREAD_MULTIPLE (needs ``init()``)."""
     _require_init()
-    from mpi4py import MPI
-
-    return MPI.Query_thread() == MPI.THREAD_MULTIPLE
+    return mpi_backend.thread_multiple()
 
 
 def mpi_enabled() -> bool:

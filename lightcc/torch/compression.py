@@ -21,9 +21,10 @@ from typing import Any
 
 import torch
 
-from ..common.compression.api import CompressionSpec
 from ..common.compression.api import Compression as _CoreCompression
-from ..common.exceptions import InvalidArgumentError
+from ..common.compression.api import CompressionSpec
+from ..common.compression.api import spec_of as _core_spec_of
+from ..common.exceptions import ConfigError, InvalidArgumentError
 
 
 class Compressor:
@@ -175,25 +176,21 @@ def _builtin_spec(compression: Any) -> str | None:
 
 def spec_of(compression: Any) -> str | None:
     """The engine spec of ``compression`` ("none" for None), or None for a compressor that
-    must be applied per tensor (user-written, Horovod-style)."""
-    if compression is None:
-        return "none"
-    if isinstance(compression, str):
-        return compression
-    builtin = _builtin_spec(compression)
-    if builtin is not None:
-        return builtin
-    if isinstance(compression, CompressionSpec):
-        return compression.spec
-    if callable(getattr(compression, "compress", None)) and \
-            callable(getattr(compression, "decompress", None)):
-        return None
-    spec = getattr(compression, "spec", None)
-    if isinstance(spec, str):
-        return spec
-    raise InvalidArgumentError(f"compression must be a Compression value (e.g. "
-                               f"Compression.fp16), a spec string or an object with "
-                               f"compress/decompress; got {compression!r}")
+    must be applied per tensor (user-written, Horovod-style, or a built-in one whose methods
+    a subclass overrides). Everything else is the core's :func:`spec_of`."""
+    if compression is not None and not isinstance(compression, (str, CompressionSpec)):
+        builtin = _builtin_spec(compression)
+        if builtin is not None:
+            return builtin
+        if callable(getattr(compression, "compress", None)) and \
+                callable(getattr(compression, "decompress", None)):
+            return None
+    try:
+        return _core_spec_of(compression)
+    except ConfigError:
+        raise InvalidArgumentError(f"compression must be a Compression value (e.g. "
+                                   f"Compression.fp16), a spec string or an object with "
+                                   f"compress/decompress; got {compression!r}") from None
 
 
 __all__ = ["BF16Compressor", "BucketCompressor", "Compression", "CompressionSpec", "Compressor",

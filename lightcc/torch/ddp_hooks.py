@@ -43,7 +43,7 @@ from ..common.compression.api import Compression, CompressionSpec, spec_of
 from ..common.exceptions import InvalidArgumentError, LightCCError
 from .c10d.backend import DEFAULT_TIMEOUT_S
 from .c10d.futures import LightCCFuture
-from .c10d.ops import stage
+from ._tensor import host_stage
 from .c10d.work import LightCCWork
 
 FutureTensor = torch.futures.Future[torch.Tensor]   # what DDP checks the annotation against
@@ -118,7 +118,7 @@ class HookState:
 
     def _engine_compressor(self) -> Any:
         """The engine's compressor of this hook's process set (it holds the residuals)."""
-        return api.engine().group(self.process_set().process_set_id).compressor(self.spec)
+        return api.compressor(self.process_set(), self.spec, create=True)
 
     def state_dict(self) -> dict[str, Any]:
         """Error-feedback residuals (and PowerSGD factors) of this hook's buckets."""
@@ -159,7 +159,7 @@ def _reduce(state: HookState, bucket: dist.GradBucket, family: str,
     ps = state.process_set()
     buf = bucket.buffer()
     what = f"DDP hook '{state.name}' bucket {bucket.index()}"
-    st = stage(buf, what)
+    st = host_stage(buf, what)
     flat = st.array.reshape(-1)
     base = f"{state.name}:b{bucket.index()}"
     if per_tensor:     # each parameter its own scales / k / factors (PowerSGD needs shapes)

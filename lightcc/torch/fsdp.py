@@ -36,7 +36,7 @@ except ImportError:  # pragma: no cover - a torch without custom reduce-scatters
 from ..common.compression.api import Compression, CompressionSpec, spec_of
 from ..common.compression.twophase import TwoPhaseCompressor
 from ..common.exceptions import InvalidArgumentError
-from .c10d.ops import view
+from ._tensor import host_view
 
 _R = dist.ReduceOp.RedOpType
 
@@ -80,16 +80,16 @@ class CompressedReduceScatter(ReduceScatter):
         x = input_tensor.detach().reshape(n, count).to("cpu", torch.float32)
         if factor != 1.0:
             x = x * factor
-        x = np.ascontiguousarray(view(x.contiguous()))
+        x = np.ascontiguousarray(host_view(x.contiguous()))
         enc = self.codec.nbytes(count)
         send = torch.empty(n * enc, dtype=torch.uint8)
-        payload = view(send)
+        payload = host_view(send)
         for r in range(n):
             self.codec.encode_into(x[r], payload[r * enc:(r + 1) * enc])
         recv = torch.empty_like(send)
         dist.all_to_all_single(recv, send, group=group)
         acc = torch.zeros(count, dtype=torch.float32)
-        got, out = view(recv), view(acc)
+        got, out = host_view(recv), host_view(acc)
         for r in range(n):                       # rank order: the same sum on every rank
             self.codec.decode_into(got[r * enc:(r + 1) * enc], count, out, True)
         if average:

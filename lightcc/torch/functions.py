@@ -1,27 +1,19 @@
 """Model/optimizer state helpers: ``broadcast_parameters``, ``broadcast_optimizer_state``,
-``broadcast_object`` and ``allgather_object`` (Horovod's names and arguments).
-
-Objects travel pickled (cloudpickle when installed, so lambdas work) in uint8 tensors: one
-collective for the sizes, one for the bytes.
+and (from :mod:`.objects`) ``broadcast_object`` and ``allgather_object`` (Horovod's names and
+arguments).
 """
 from __future__ import annotations
 
 import collections
-import io
-import pickle
 from typing import Any, Iterable
 
-import numpy as np
 import torch
 
 from ..common import api as _api
 from ..common.api import global_process_set
-from . import mpi_ops as _ops
-
-try:
-    import cloudpickle as _pickler
-except ImportError:  # pragma: no cover - cloudpickle ships with most torch installs
-    _pickler = pickle
+from . import collectives as _ops
+from .objects import allgather_object, broadcast_object
+from .optimizer_setup import WrappedOptimizer
 
 
 def broadcast_parameters(params: Any, root_rank: int,
@@ -38,7 +30,7 @@ def broadcast_parameters(params: Any, root_rank: int,
         items = [p if isinstance(p, tuple) else (None, p) for p in params]
     else:
         raise ValueError(f"invalid params of type: {type(params)}")
-    _ops._check_root(root_rank, process_set, "broadcast_parameters")
+    _api.root_index(root_rank, process_set, "broadcast_parameters")
     handles = [_ops.broadcast_async_(p, root_rank, name, process_set) for name, p in items]
     for handle in handles:
         _ops.synchronize(handle)
@@ -56,7 +48,7 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int,
     it to that set's members."""
     if isinstance(optimizer, torch.optim.LBFGS):
         raise ValueError("cannot broadcast torch.optim.LBFGS state")
-    _ops._check_root(root_rank, process_set, "broadcast_optimizer_state")
+    _api.root_index(root_rank, process_set, "broadcast_optimizer_state")
     state_dict = optimizer.state_dict()
     if len(state_dict["state"]) == 0:
         _init_state(optimizer, model)
@@ -100,10 +92,8 @@ def _init_state(optimizer: torch.optim.Optimizer, model: torch.nn.Module | None)
                 p.grad = torch.zeros_like(p)
                 if isinstance(optimizer, torch.optim.SparseAdam) or id(p) in sparse:
                     p.grad = p.grad.to_sparse()
-    from .optimizer import _DistributedOptimizer
-
     # A DistributedOptimizer's own step() would allreduce: step the wrapped one instead.
-    inner = optimizer._opt if isinstance(optimizer, _DistributedOptimizer) else optimizer
+    inner = optimizer._opt if isinstance(optimizer, WrappedOptimizer) else optimizer
     inner.step()
 
 
@@ -119,44 +109,5 @@ def _state_setter(param_state: dict, name: str) -> Any:
     return assign
 
 
-def _dumps(obj: Any) -> torch.Tensor:
-    buf = io.BytesIO()
-    _pickler.dump(obj, buf)
-    return torch.from_numpy(np.frombuffer(buf.getvalue(), dtype=np.uint8).copy())
-
-
-def _loads(data: torch.Tensor) -> Any:
-    return _pickler.loads(data.numpy().tobytes())
-
-
-def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None,
-                     process_set: Any = global_process_set) -> Any:
-    """Return ``root_rank``'s ``obj`` on every rank of ``process_set`` (pickled).
-
-    ``root_rank`` is a global rank, also within a process set (as in Horovod). The default
-    name does not depend on ``obj``'s type (Horovod's does), so non-root ranks may pass
-    ``None``.
-    """
-    name = "broadcast_object" if name is None else name
-    _ops._check_root(root_rank, process_set, "broadcast_object")
-    is_root = _api.rank() == root_rank
-    payload = _dumps(obj) if is_root else None
-    size = torch.tensor([payload.numel() if is_root else 0], dtype=torch.int64)
-    _ops.broadcast_(size, root_rank, f"{name}.sz", process_set)
-    data = payload if is_root else torch.empty(int(size.item()), dtype=torch.uint8)
-    _ops.broadcast_(data, root_rank, f"{name}.t", process_set)
-    return obj if is_root else _loads(data)
-
-
-def allgather_object(obj: Any, name: str | None = None,
-                     process_set: Any = global_process_set) -> list[Any]:
-    """Every rank's ``obj``, as a list in rank order (pickled; types may differ by rank)."""
-    name = "allgather_object" if name is None else name
-    payload = _dumps(obj)
-    h_sizes = _ops.allgather_async(torch.tensor([payload.numel()], dtype=torch.int64),
-                                   f"{name}.sz", process_set)
-    h_data = _ops.allgather_async(payload, f"{name}.t", process_set)
-    sizes = _ops.synchronize(h_sizes).tolist()
-    data = _ops.synchronize(h_data)
-    offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(int)
-    return [_loads(data[offsets[i]:offsets[i + 1]]) for i in range(len(sizes))]
+__all__ = ["allgather_object", "broadcast_object", "broadcast_optimizer_state",
+           "broadcast_parameters"]

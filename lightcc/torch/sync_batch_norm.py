@@ -17,7 +17,8 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from ..common.api import Sum, global_process_set
 from . import basics
-from . import mpi_ops as _ops
+from . import collectives as _ops
+from .autograd import allgather
 
 
 class SyncBatchNorm(_BatchNorm):
@@ -68,7 +69,7 @@ class _SyncBatchNormFn(Function):
         mean = flat.mean(0) if count else flat.new_zeros(flat.shape[1])
         m2 = ((flat - mean) ** 2).sum(0)
         stats = torch.cat([flat.new_tensor([float(count)]), mean, m2])
-        gathered = _ops.allgather(stats.unsqueeze(0), name=None, process_set=process_set)
+        gathered = allgather(stats.unsqueeze(0), name=None, process_set=process_set)
         c = x.shape[1]
         counts, means, m2s = gathered[:, 0], gathered[:, 1:1 + c], gathered[:, 1 + c:]
         total = counts.sum()

@@ -24,6 +24,7 @@ from typing import Any, Iterator
 import torch.distributed as dist
 
 from ...common import api
+from ...common.backends import mpi as mpi_backend
 from ...common.exceptions import InvalidArgumentError, LightCCError
 from ...common.mca import RANK_VARS
 from .group import BACKEND_NAME, ProcessGroupLightCC
@@ -121,10 +122,7 @@ def _under_mpi() -> bool:
 def _mpi_rendezvous(timeout: timedelta) -> tuple[Any, int, int]:
     """(store, rank, world size) without torchrun's variables: a TCPStore on rank 0, its
     address broadcast over MPI."""
-    from mpi4py import MPI
-
-    comm = MPI.COMM_WORLD
-    rank, size = comm.Get_rank(), comm.Get_size()
+    rank, size = mpi_backend.world_rank_size()
     store = None
     address = None
     if rank == 0:
@@ -135,7 +133,7 @@ def _mpi_rendezvous(timeout: timedelta) -> tuple[Any, int, int]:
             address = (host, store.port)
         except Exception as exc:  # noqa: BLE001 - tell the other ranks, then raise
             address = ("", str(exc))
-    address = comm.bcast(address, root=0)
+    address = mpi_backend.world_bcast(address, root=0)
     if not address[0]:
         raise LightCCError(f"rank 0 could not start the rendezvous store: {address[1]}")
     if store is None:

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from ...common import api
 from ...common.exceptions import LightCCError
 from . import ops
-from .ops import stage
+from .._tensor import host_stage
 from .futures import current_chain
 from .p2p import PointToPoint, free_comm
 from .movement import DataMovement
@@ -149,9 +149,9 @@ class ProcessGroupLightCC(DataMovement, dist.ProcessGroup):
         chain = route.get("chain")
         if chain is None:     # the name only labels the call in errors and the timeline
             return {"ordered": True, "name": self._label, "process_set": self._ps,
-                    "_wake": wake}
+                    "wake": wake}
         return {"name": f"{self._uid}:{chain.next_name()}", "process_set": self._ps,
-                "_wake": wake}
+                "wake": wake}
 
     def _work(self, handles: list[Any], finish: Callable[[list], Any], what: str, key: str,
               opts: Any = None, outputs: Sequence[torch.Tensor] = ()) -> LightCCWork:
@@ -176,7 +176,7 @@ class ProcessGroupLightCC(DataMovement, dist.ProcessGroup):
         what = self._what(coll)
         if single:
             ops.one(tensors, what)
-        staged = [stage(t, what) for t in tensors]
+        staged = [host_stage(t, what) for t in tensors]
         prepared = [(st, *ops.reduce_op(opts.reduceOp, st.tensor.dtype, what)) for st in staged]
         key, route = self._route(what)
         handles = [api.allreduce_async(st.array, op, prescale_factor=pre, out=st.array,
@@ -188,13 +188,17 @@ class ProcessGroupLightCC(DataMovement, dist.ProcessGroup):
 
         return self._work(handles, finish, what, key, opts, tensors)
 
-    def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> LightCCWork:
-        opts = opts if opts is not None else dist.ReduceOptions()
-        what = self._what("reduce")
+    def _rooted(self, coll: str, tensors: list[torch.Tensor], opts: Any) -> tuple:
+        """(what, tensor, staged tensor, root) of a rooted collective, its options checked."""
+        what = self._what(coll)
         t = ops.one(tensors, what)
         ops.root_tensor(opts, what)
         root = ops.root(opts.rootRank, self._size, "rootRank", what)
-        st = stage(t, what)
+        return what, t, host_stage(t, what), root
+
+    def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> LightCCWork:
+        opts = opts if opts is not None else dist.ReduceOptions()
+        what, t, st, root = self._rooted("reduce", tensors, opts)
         op, pre = ops.reduce_op(opts.reduceOp, t.dtype, what)
         key, route = self._route(what)
         mine = self._rank == root          # only the root's tensor receives the result
@@ -205,11 +209,7 @@ class ProcessGroupLightCC(DataMovement, dist.ProcessGroup):
     # ---- broadcast ---------------------------------------------------------------------------
     def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> LightCCWork:
         opts = opts if opts is not None else dist.BroadcastOptions()
-        what = self._what("broadcast")
-        t = ops.one(tensors, what)
-        ops.root_tensor(opts, what)
-        root = ops.root(opts.rootRank, self._size, "rootRank", what)
-        st = stage(t, what)
+        what, t, st, root = self._rooted("broadcast", tensors, opts)
         key, route = self._route(what)
         h = api.broadcast_async(st.array, self._world_ranks[root], out=st.array,   # global rank
                                 **self._kw(route, opts))

@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from ...common import api
 from ...common.exceptions import InvalidArgumentError
+from .._tensor import copy_into
 from . import ops
 from .untraced import untraced
 
@@ -83,7 +84,7 @@ class DataMovement:
         h = api.allgather_async(arr, **self._kw(route, opts))
 
         def finish(results: list) -> torch.Tensor:
-            ops.copy_into(output, results[0])
+            copy_into(output, results[0])
             return output
 
         return self._work([h], finish, what, key, opts, [output])
@@ -143,7 +144,7 @@ class DataMovement:
             if data.size != out.numel():
                 raise InvalidArgumentError(f"{what}: received {data.size} elements from the "
                                            f"root, the output tensor holds {out.numel()}")
-            ops.copy_into(out, data)
+            copy_into(out, data)
             return [out]
 
         return self._work([h], finish, what, key, opts, [out])
@@ -183,7 +184,7 @@ class DataMovement:
         h = api.reducescatter_async(arr, op, prescale_factor=pre, **self._kw(route, opts))
 
         def finish(results: list) -> torch.Tensor:
-            ops.copy_into(out, results[0])
+            copy_into(out, results[0])
             return out
 
         return self._work([h], finish, what, key, opts, [out])
@@ -229,7 +230,7 @@ class DataMovement:
             if data.size != output.numel():
                 raise InvalidArgumentError(f"{what}: received {data.size} elements (splits "
                                            f"{got}), the output holds {output.numel()}")
-            ops.copy_into(output, data)
+            copy_into(output, data)
             return output
 
         return self._work([h], finish, what, key, opts, [output])
@@ -278,6 +279,6 @@ class DataMovement:
                                        f"tensors hold {need} (ranks passed different sizes)")
         offset = 0
         for o in outs:
-            ops.copy_into(o, flat[offset:offset + o.numel()])
+            copy_into(o, flat[offset:offset + o.numel()])
             offset += o.numel()
 

@@ -5,7 +5,6 @@ raises at once (naming the collective and the option) instead of failing later o
 """
 from __future__ import annotations
 
-import ctypes
 from datetime import timedelta
 from typing import Any, Sequence
 
@@ -13,9 +12,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ...common import dtypes
 from ...common.exceptions import InvalidArgumentError, UnsupportedDTypeError
-from .._tensor import Staged, TensorTypeError, check_dtype
+from .._tensor import host_stage
 
 _R = dist.ReduceOp.RedOpType
 _BASIC = {_R.SUM: "sum", _R.AVG: "average", _R.MIN: "min", _R.MAX: "max",
@@ -88,54 +86,6 @@ def timeout_of(opts: Any, default: float) -> float:
     return default
 
 
-_NP = {torch.uint8: np.uint8, torch.int8: np.int8, torch.int16: np.int16,
-       torch.int32: np.int32, torch.int64: np.int64, torch.float16: np.float16,
-       torch.float32: np.float32, torch.float64: np.float64, torch.bool: np.bool_,
-       torch.bfloat16: dtypes.BFLOAT16}
-_NP = {k: np.dtype(v) for k, v in _NP.items()}
-
-
-def view(t: torch.Tensor) -> np.ndarray:
-    """A NumPy array on the memory of the contiguous CPU tensor ``t`` (no copy).
-
-    Built from the data pointer rather than ``Tensor.numpy()``, which marks the tensor's
-    storage as never resizable again (DDP's bucket buffers are resized by torch's batched
-    PowerSGD hook). The array keeps ``t`` alive, as ``numpy()`` does.
-    """
-    dt = _NP[t.dtype]
-    nbytes = t.numel() * dt.itemsize
-    if nbytes == 0:
-        return np.empty(tuple(t.shape), dt)
-    raw = (ctypes.c_uint8 * nbytes).from_address(t.data_ptr())
-    raw._tensor = t           # the array's base holds the tensor
-    return np.frombuffer(raw, dtype=dt).reshape(tuple(t.shape))
-
-
-def stage(t: torch.Tensor, what: str) -> Staged:
-    """``t`` for the core: a view when it is a contiguous CPU tensor, else a CPU copy that
-    ``Staged.finish()`` writes back."""
-    if type(t) is torch.Tensor and t.dtype in _NP and t.layout == torch.strided \
-            and not t.is_cuda and t.is_contiguous():          # the common case, checked fast
-        return Staged(t, t, view(t), False)
-    if not isinstance(t, torch.Tensor):
-        raise TensorTypeError(f"{what}: expected a torch.Tensor, got {type(t).__name__}")
-    check_dtype(t, what)
-    if t.is_sparse:
-        raise TensorTypeError(f"{what}: sparse tensors are not supported")
-    if t.device.type == "cpu" and t.is_contiguous():
-        return Staged(t, t, view(t), False)
-    work = t.detach().to("cpu", copy=True).contiguous()
-    return Staged(t, work, view(work), True)
-
-
 def cpu_flat(t: torch.Tensor, what: str) -> np.ndarray:
     """``t`` as a 1-D array: a view of a contiguous CPU tensor, else a contiguous CPU copy."""
-    return stage(t, what).array.reshape(-1)
-
-
-def copy_into(dst: torch.Tensor, src: np.ndarray) -> None:
-    """``dst[...] = src`` (same number of elements) for any device and layout of ``dst``."""
-    from .._tensor import from_array
-
-    with torch.no_grad():
-        dst.copy_(from_array(np.ascontiguousarray(src)).reshape(dst.shape))
+    return host_stage(t, what).array.reshape(-1)

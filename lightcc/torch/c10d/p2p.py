@@ -1,10 +1,11 @@
-"""Point-to-point ``send`` / ``recv`` of the lightcc process group, on MPI directly.
+"""Point-to-point ``send`` / ``recv`` of the lightcc process group, beside the engine.
 
 Point-to-point messages cannot be negotiated (only two ranks take part), so they bypass the
-engine: each group owns a duplicated MPI communicator (made collectively when the group is
-created, see :func:`make_comm`) and a send/recv is one nonblocking ``Isend`` / ``Irecv`` on it,
-from the calling thread; this needs ``MPI_THREAD_MULTIPLE`` beside the engine's thread. MPI
-matches messages by (source, tag) in posting order, which is torch's contract for send/recv.
+engine: each group owns a communicator of its own (``backends.mpi.p2p_communicator``, made
+collectively when the group is created, see :func:`make_comm`) and a send/recv is one
+nonblocking ``isend`` / ``irecv`` on it, from the calling thread; this needs
+``MPI_THREAD_MULTIPLE`` beside the engine's thread. MPI matches messages by (source, tag) in
+posting order, which is torch's contract for send/recv.
 A wait polls the request with a short back-off and gives up after the group's timeout with an
 error naming the peer and tag (a pending receive is cancelled), so a recv whose sender never
 comes fails instead of hanging silently.
@@ -16,71 +17,48 @@ import time
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
+from ...common.backends import mpi as mpi_backend
 from ...common.exceptions import InvalidArgumentError, LightCCError
-from .ops import stage
-from .futures import LightCCFuture
+from .._tensor import host_stage
 from .untraced import untraced
 from .work import CollectiveTimeout, FutureWork, seconds
 
 MAX_BACKOFF_S = 0.001
 
 
-def _mpi() -> Any:
-    from mpi4py import MPI
-
-    return MPI
-
-
 def make_comm(world_ranks: list[int] | None) -> Any:
     """A communicator for the group's point-to-point traffic (collective over its members).
 
-    ``None``: the whole world (``COMM_WORLD.Dup``); else ``Create_group`` over the members only,
-    so non-members need not take part. Returns None when MPI lacks ``MPI_THREAD_MULTIPLE``.
+    ``None``: the whole world; else the members only, so non-members need not take part.
+    Returns None when MPI lacks ``MPI_THREAD_MULTIPLE``.
     """
-    MPI = _mpi()
-    if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
-        return None
-    if world_ranks is None:
-        return MPI.COMM_WORLD.Dup()
-    group = MPI.COMM_WORLD.Get_group().Incl(list(world_ranks))
-    try:
-        return MPI.COMM_WORLD.Create_group(group, tag=4242)
-    finally:
-        group.Free()
+    return mpi_backend.p2p_communicator(world_ranks, "c10d.p2p")
 
 
 def free_comm(comm: Any) -> None:
-    MPI = _mpi()
-    if comm is not None and not MPI.Is_finalized():
-        comm.Free()
+    if comm is not None:
+        comm.free()
 
 
 @untraced
 class P2PWork(FutureWork):
-    """One send or receive; ``wait()`` polls its MPI request until done or timed out."""
+    """One send or receive; ``wait()`` polls its request until done or timed out."""
 
     def __init__(self, request: Any, what: str, key: str, timeout: float,
                  staged: Any = None, nbytes: int = 0) -> None:
-        super().__init__()
+        super().__init__(what, key, timeout)
         self._req = request
-        self._what = what
-        self._key = key
-        self._timeout = timeout
         self._staged = staged                  # set for receives: copy back, check size
         self._nbytes = nbytes
-        self._status = _mpi().Status()
-        self._lock = threading.Lock()
         self._state: Any = None
-        self._fut: LightCCFuture | None = None
 
     def _test(self) -> bool:
         with self._lock:
             if self._state is not None:
                 return True
             try:
-                if not self._req.Test(self._status):
+                if not self._req.test():
                     return False
                 self._state = self._check()
             except Exception as exc:  # noqa: BLE001 - MPI errors (e.g. truncation) -> ours
@@ -90,9 +68,9 @@ class P2PWork(FutureWork):
     def _check(self) -> Any:
         if self._staged is None:
             return True
-        got = self._status.Get_count(_mpi().BYTE)
+        got = self._req.nbytes
         if got != self._nbytes:
-            return LightCCError(f"{self._what}: rank {self._status.Get_source()} sent {got} "
+            return LightCCError(f"{self._what}: rank {self._req.source} sent {got} "
                                 f"bytes, the receive tensor holds {self._nbytes}")
         self._staged.finish()
         return True
@@ -113,8 +91,7 @@ class P2PWork(FutureWork):
     def _give_up(self, limit: float) -> None:
         with self._lock:
             if self._staged is not None and self._state is None:   # a receive: cancel it
-                self._req.Cancel()
-                self._req.Wait()
+                self._req.cancel()
                 self._state = CollectiveTimeout(f"{self._what} did not complete within "
                                                 f"{limit:g} s: Timed out (no matching send "
                                                 f"arrived)")
@@ -136,7 +113,7 @@ class P2PWork(FutureWork):
 
     def _source_rank(self) -> int:
         self.wait()
-        return int(self._status.Get_source())
+        return self._req.source
 
     def source_rank(self) -> int:
         return self._source_rank()
@@ -168,16 +145,15 @@ class PointToPoint:
                                f"initialized with a lower thread level)")
         if len(tensors) != 1:
             raise InvalidArgumentError(f"{what}: expected one tensor, got {len(tensors)}")
-        if not 0 <= int(tag) <= _mpi().COMM_WORLD.Get_attr(_mpi().TAG_UB):
+        if not 0 <= int(tag) <= mpi_backend.max_tag():
             raise InvalidArgumentError(f"{what}: tag {tag} is outside MPI's tag range")
         return tensors[0]
 
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int) -> P2PWork:
         what = f"send to rank {dst} (tag {tag}) on group {self.desc}"
         t = self._ready(what, tensors, tag)
-        st = stage(t, what)
-        buf = st.array.reshape(-1).view("u1")
-        req = self.comm.Isend([buf, _mpi().BYTE], dest=int(dst), tag=int(tag))
+        st = host_stage(t, what)
+        req = self.comm.isend(st.array, int(dst), int(tag))
         work = P2PWork(req, what, self._key("send", dst), self.timeout)
         work._keep = st                      # the buffer must live until the send completes
         return work
@@ -186,10 +162,7 @@ class PointToPoint:
         peer = "any rank" if src is None else f"rank {src}"
         what = f"recv from {peer} (tag {tag}) on group {self.desc}"
         t = self._ready(what, tensors, tag)
-        st = stage(t, what)
-        buf = st.array.reshape(-1).view("u1")
-        MPI = _mpi()
-        source = MPI.ANY_SOURCE if src is None else int(src)
-        req = self.comm.Irecv([buf, MPI.BYTE], source=source, tag=int(tag))
+        st = host_stage(t, what)
+        req = self.comm.irecv(st.array, None if src is None else int(src), int(tag))
         return P2PWork(req, what, self._key("recv", -1 if src is None else src),
-                       self.timeout, staged=st, nbytes=buf.nbytes)
+                       self.timeout, staged=st, nbytes=st.array.nbytes)

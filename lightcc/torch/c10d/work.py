@@ -43,15 +43,20 @@ class FutureWork(dist.Work):
     (lightcc's waiting threads make progress themselves, and its lazy mode starts collectives
     when a thread waits for them), and it bounds the wait by the group's timeout, so a future
     that C++ waits on without a deadline (DDP's reducer) still ends in an error. Subclasses
-    set ``_key``, ``_lock`` and ``_fut = None`` and define ``wait()`` and ``_future_value()``;
-    ``devices`` lists the CUDA devices of the future's tensors (torch requires them).
+    define ``wait()`` and ``_future_value()``; ``devices`` lists the CUDA devices of the
+    future's tensors (torch requires them).
     """
 
-    _key: str
-    _lock: threading.Lock
-    _fut: LightCCFuture | None
     _fut_done = False
     devices: list = []
+
+    def __init__(self, what: str, key: str, timeout: float) -> None:
+        super().__init__()
+        self._what = what                # names the call in errors
+        self._key = key                  # orders its future's job in the pool
+        self._timeout = timeout          # seconds, when wait() is given none
+        self._lock = threading.Lock()
+        self._fut: LightCCFuture | None = None
 
     def get_future(self) -> LightCCFuture:
         with self._lock:
@@ -93,17 +98,12 @@ class LightCCWork(FutureWork):
 
     def __init__(self, handles: Sequence[Any], finish: Callable[[list], Any], what: str,
                  key: str, timeout: float, devices: list | None = None) -> None:
-        super().__init__()
+        super().__init__(what, key, timeout)
         self.devices = devices or []
         self._handles = list(handles)
         self._finish = finish
-        self._what = what
-        self._key = key
-        self._timeout = timeout
-        self._lock = threading.Lock()
         self._state: Any = None          # None: not settled; True: ok; else the exception
         self._value: Any = None
-        self._fut: LightCCFuture | None = None
 
     # ---- settling --------------------------------------------------------------------------
     def _settle(self) -> Any:
@@ -168,14 +168,9 @@ class GroupWork(FutureWork):
 
     def __init__(self, works: Sequence[Any], value: Callable[[], list], what: str, key: str,
                  timeout: float) -> None:
-        super().__init__()
+        super().__init__(what, key, timeout)
         self._works = list(works)
         self._value = value
-        self._what = what
-        self._key = key
-        self._timeout = timeout
-        self._lock = threading.Lock()
-        self._fut: LightCCFuture | None = None
 
     def wait(self, timeout: Any = None) -> bool:
         deadline = time.monotonic() + seconds(timeout, self._timeout)
