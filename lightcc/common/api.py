@@ -27,6 +27,7 @@ import numpy as np
 
 from . import config as config_mod
 from . import device, direct, dtypes, mca
+from .algorithms import adasum
 from .device import DeviceTensor
 from .engine import Engine, Handle
 from .exceptions import (InvalidArgumentError, LightCCError, NotInitializedError,
@@ -350,10 +351,12 @@ def _name(eng: Engine, coll: Coll, name: str | None, pset: int,
     return name, None, None
 
 
-def _op(op: Any, default: str, what: str, dtype: str) -> str:
+def _op(op: Any, default: str, what: str, dtype: str, adasum: bool = False) -> str:
     op = default if op is None else op
     if op == Adasum:
-        raise InvalidArgumentError(f"{what}: Adasum is not supported by lightcc; use Average")
+        if adasum:      # checked with the process set in allreduce_async (algorithms/adasum.py)
+            return op
+        raise InvalidArgumentError(f"{what}: Adasum is supported by allreduce only")
     if not isinstance(op, str):
         raise InvalidArgumentError(f"{what}: op must be one of Sum, Average, Min, Max, Product, "
                                    f"BitwiseAnd, BitwiseOr, BitwiseXor")
@@ -429,10 +432,13 @@ def allreduce_async(array: Any, op: str | None = None, name: str | None = None,
     eng.pset(pset)
     nm, stream, label = _name(eng, Coll.ALLREDUCE, name, pset, ordered)
     what = f"allreduce '{nm}'"
-    op_ = _op(op, Average, what, dt)
+    op_ = _op(op, Average, what, dt, adasum=True)
     pre, post = _scales(prescale_factor, postscale_factor, dt, what)
     req = Request(Coll.ALLREDUCE, nm, dt, tuple(arr.shape), op_, -1, pre, post, (),
                   _compression_spec(compression), pset)
+    if op_ == Adasum:
+        adasum.check(len(eng.pset(pset).ranks), dt, type(arr) is DeviceTensor, req.compression,
+                     what)
     if type(arr) is DeviceTensor:
         req, out = _on_device(req, arr, out, what)
     else:
@@ -477,7 +483,9 @@ def allreduce_direct(array: Any, op: str | None, prescale_factor: float,
     eng._check_alive()
     dt = dtypes.name_of(arr.dtype)
     what = "unnamed allreduce"
-    op_ = _op(op, Average, what, dt)
+    op_ = _op(op, Average, what, dt, adasum=True)
+    if op_ == Adasum:       # never direct: the engine runs it (allreduce_async checks it)
+        return None
     pre, post = _scales(prescale_factor, postscale_factor, dt, what)
     spec = _compression_spec(compression)
     host = type(arr) is not DeviceTensor
