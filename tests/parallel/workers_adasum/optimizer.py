@@ -19,6 +19,7 @@ from torch import nn
 
 import lightcc.torch as hvd
 from lightcc import InvalidArgumentError
+from lightcc.torch.compression import per_tensor
 
 hvd.init()
 R, N = hvd.rank(), hvd.size()
@@ -129,5 +130,15 @@ t = torch.tensor([1.0, 0.0]) if R == 0 else torch.tensor([0.0, 2.0])
 assert torch.equal(hvd.allreduce(t, op=hvd.Adasum), torch.tensor([1.0, 2.0]))
 t = torch.tensor([2.0, 2.0])
 assert torch.equal(hvd.allreduce(t, op=hvd.Adasum, name="par"), t)
+# engine compression is refused; a per-tensor cast is Horovod's way (Adasum of float16 values)
+try:
+    hvd.allreduce(t, op=hvd.Adasum, compression=hvd.Compression.fp16)
+except InvalidArgumentError as exc:
+    assert "compression" in str(exc), exc
+else:
+    raise AssertionError("Compression.fp16 with Adasum should raise")
+half = hvd.allreduce(torch.tensor([1.0, 0.0]) if R == 0 else torch.tensor([0.0, 2.0]),
+                     op=hvd.Adasum, compression=per_tensor(hvd.Compression.fp16))
+assert half.dtype == torch.float32 and torch.equal(half, torch.tensor([1.0, 2.0])), half
 hvd.shutdown()
 print("OK adasum optimizer", flush=True)
