@@ -130,3 +130,25 @@ def test_check_refuses(kwargs, exc, needle):
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32", "float64"])
 def test_check_accepts(size, dtype):
     adasum.check(size, dtype, False, "none", "allreduce 'x'")
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_kernels_match_numpy_fallback(monkeypatch, dtype):
+    """The numba kernels and the NumPy pieces compute the same float64 sums and scaled add."""
+    from lightcc.common.kernels import adasum as k
+
+    rng = np.random.default_rng(3)
+    a, b = (rng.standard_normal(200_003).astype(dtype) for _ in range(2))
+    want = (float(a.astype(np.float64) @ b), float(a.astype(np.float64) @ a),
+            float(b.astype(np.float64) @ b))
+    fast = k.dot_norms(a, b)
+    x = a.copy()
+    k.scaled_add(x, 0.3, b, -1.7)
+    monkeypatch.setattr(k, "HAVE_NUMBA", False)
+    slow = k.dot_norms(a, b)
+    y = a.copy()
+    k.scaled_add(y, 0.3, b, -1.7)
+    np.testing.assert_allclose(fast, want, rtol=1e-12)
+    np.testing.assert_allclose(slow, want, rtol=1e-12)
+    exact = (0.3 * a.astype(np.float64) - 1.7 * b.astype(np.float64)).astype(dtype)
+    assert np.array_equal(x, exact) and np.array_equal(y, exact)

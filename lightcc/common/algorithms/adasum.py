@@ -40,7 +40,13 @@ TAG = 113
 FLOATING = ("float16", "bfloat16", "float32", "float64")
 #: Horovod's threshold under which a squared norm counts as zero (its coefficient stays 1).
 TINY = math.sqrt(sys.float_info.min)
-_CHUNK = 1 << 16        # elements converted to float64 at a time (bounds the scratch memory)
+
+
+def _kernels():
+    """kernels/adasum.py, imported at first use (numba's start-up is paid only by Adasum)."""
+    from ..kernels import adasum
+
+    return adasum
 
 
 def is_power_of_two(n: int) -> bool:
@@ -72,30 +78,7 @@ def pair(a: np.ndarray, b: np.ndarray, dot: float, anorm2: float, bnorm2: float)
     ``a`` and ``b`` may be slices of the vectors the sums were taken over."""
     ca = 1.0 - dot / (2.0 * anorm2) if anorm2 >= TINY else 1.0
     cb = 1.0 - dot / (2.0 * bnorm2) if bnorm2 >= TINY else 1.0
-    if a.dtype == np.float64:
-        a *= ca
-        a += cb * b
-        return
-    for lo in range(0, a.size, _CHUNK):
-        hi = lo + _CHUNK
-        wide = a[lo:hi].astype(np.float64)
-        wide *= ca
-        wide += cb * b[lo:hi].astype(np.float64)
-        a[lo:hi] = wide
-
-
-def dots(a: np.ndarray, b: np.ndarray) -> tuple[float, float, float]:
-    """``(a.b, |a|^2, |b|^2)`` accumulated in float64."""
-    if a.dtype == np.float64:
-        return float(np.dot(a, b)), float(np.dot(a, a)), float(np.dot(b, b))
-    ab = aa = bb = 0.0
-    for lo in range(0, a.size, _CHUNK):
-        x = a[lo:lo + _CHUNK].astype(np.float64)
-        y = b[lo:lo + _CHUNK].astype(np.float64)
-        ab += float(np.dot(x, y))
-        aa += float(np.dot(x, x))
-        bb += float(np.dot(y, y))
-    return ab, aa, bb
+    _kernels().scaled_add(a, ca, b, cb)
 
 
 def _segments(starts: Sequence[int], counts: Sequence[int], lo: int, hi: int) -> list:
@@ -157,7 +140,7 @@ def allreduce(comm: Communicator, buf: np.ndarray, counts: Sequence[int]) -> Non
         segs = _segments(starts, counts, lo, hi)
         sums = np.zeros(3 * len(counts))       # per tensor: dot, |left|^2, |right|^2
         for i, s, e in segs:
-            ab, aa, bb = dots(mine[s - lo:e - lo], theirs[s - lo:e - lo])
+            ab, aa, bb = _kernels().dot_norms(mine[s - lo:e - lo], theirs[s - lo:e - lo])
             left, right = (bb, aa) if r & level else (aa, bb)
             sums[3 * i:3 * i + 3] = (ab, left, right)
         _subtree_sum(comm, sums, level)
