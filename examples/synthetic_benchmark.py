@@ -4,7 +4,10 @@
 
 Runs ``--num-warmup-batches`` untimed steps, then ``--num-iters`` timed iterations of
 ``--num-batches-per-iter`` steps each; prints img/s per iteration, the mean +- 1.96 standard
-deviations per rank, and the total over all ranks.
+deviations per rank, and the total over all ranks. ``--use-adasum`` reduces with Adasum as
+Horovod's ``pytorch_synthetic_benchmark.py`` does: ``DistributedOptimizer(op=Adasum)`` and the
+learning rate not scaled by the number of ranks (Horovod scales it by ``local_size`` only for
+its NCCL GPU Adasum, which lightcc does not have); it needs a power-of-2 number of ranks.
 """
 from __future__ import annotations
 
@@ -74,6 +77,8 @@ def main() -> None:
     parser.add_argument("--num-iters", type=int, default=5)
     parser.add_argument("--compression", default="none", help="lightcc.torch.Compression name")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: cores/ranks)")
+    parser.add_argument("--use-adasum", action="store_true",
+                        help="reduce with Adasum (no learning-rate scaling by ranks)")
     args = parser.parse_args()
 
     lcc.init()
@@ -82,11 +87,13 @@ def main() -> None:
     model, sample = build(args.model)
     comp = getattr(lcc.Compression, args.compression)
     comp = comp() if callable(comp) and not hasattr(comp, "spec") else comp
-    opt = torch.optim.SGD(model.parameters(), lr=0.01 * lcc.size(), momentum=0.9)
+    lr_scaler = 1 if args.use_adasum else lcc.size()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01 * lr_scaler, momentum=0.9)
     lcc.broadcast_parameters(model.state_dict(), root_rank=0)
     lcc.broadcast_optimizer_state(opt, root_rank=0)
     opt = lcc.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
-                                   compression=comp)
+                                   compression=comp,
+                                   op=lcc.Adasum if args.use_adasum else lcc.Average)
     data = torch.randn(args.batch_size, *sample)
     target = torch.randint(0, 10, (args.batch_size,))
 
@@ -98,7 +105,8 @@ def main() -> None:
     say = print if lcc.rank() == 0 else (lambda *a, **k: None)
     params = sum(p.numel() for p in model.parameters())
     say(f"Model: {args.model} ({params / 1e6:.2f} M parameters)  Batch size: {args.batch_size}"
-        f"  Ranks: {lcc.size()}  Compression: {args.compression}")
+        f"  Ranks: {lcc.size()}  Compression: {args.compression}"
+        f"{'  Adasum' if args.use_adasum else ''}")
     say("Running warmup...")
     for _ in range(args.num_warmup_batches):
         step()

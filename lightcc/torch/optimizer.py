@@ -29,7 +29,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Any
     parameter), ``compression`` (a ``Compression`` value, applied by the engine per fused
     bucket, or a Horovod-style compressor applied per tensor; when not given, the default set
     by ``LCC_COMPRESSION`` / ``lccrun --compression``, else none), ``backward_passes_per_step`` (local accumulation before reducing; gradients are
-    summed over passes, not averaged), ``op`` (Average or Sum), ``gradient_predivide_factor``
+    summed over passes, not averaged), ``op`` (Average or Sum; Adasum reduces parameter
+    updates instead, see ``torch/adasum.py``), ``gradient_predivide_factor``
     (scale by 1/f before the sum and f/size after; Average only), ``groups``/``num_groups``
     (reduce these parameters together), ``sparse_as_dense`` and ``process_set``. Call
     ``synchronize()`` before modifying gradients (clipping, ``GradScaler.unscale_``), then
@@ -46,12 +47,14 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Any
         _check_groups(groups)
     if backward_passes_per_step <= 0:
         raise ValueError("backward_passes_per_step must be > 0")
-    if op == Adasum and _api.size() > 1:
-        raise InvalidArgumentError("Adasum is not supported by lightcc; use op=Average")
     if isinstance(optimizer, _DistributedOptimizer):
         raise ValueError("optimizer is already a DistributedOptimizer")
     if compression is None:
         compression = default_compression()
+    if op == Adasum and _api.size() > 1:      # reduces parameter deltas: torch/adasum.py
+        from .adasum import adasum_optimizer
+        return adasum_optimizer(optimizer, named_parameters, compression,
+                                backward_passes_per_step, process_set, groups)
     return _DistributedOptimizer(optimizer, named_parameters, compression,
                                  backward_passes_per_step, op, gradient_predivide_factor, groups,
                                  sparse_as_dense, process_set)

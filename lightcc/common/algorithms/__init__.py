@@ -19,7 +19,7 @@ from typing import Any, Callable
 
 from ..compression.base import BucketContext, Compressor
 from ..topology import Topology
-from . import flat, hierarchical, ring, tree, twod
+from . import adasum, flat, hierarchical, ring, tree, twod
 
 Algorithm = Callable[[Any, str, Topology, "Compressor | None", BucketContext], None]
 
@@ -123,11 +123,21 @@ def get(name: str) -> Algorithm:
     return _REGISTRY[name]
 
 
+def adasum_reduce(buf: Any, op: str, topo: Topology, compressor: Compressor | None,
+                  ctx: BucketContext) -> None:
+    """The ``adasum`` op's own algorithm (per tensor: ``ctx.sizes``); no compressor applies."""
+    adasum.allreduce(topo.world, buf, ctx.sizes)
+
+
 def allreduce(buf: Any, op: str, topo: Topology, compressor: Compressor | None,
               ctx: BucketContext, algorithm: str = "auto",
               thresholds: AutoThresholds | None = None) -> str:
     """Reduce ``buf`` over ``topo.world`` in place; returns the algorithm actually used.
-    ``thresholds`` are the process set's (its ``ExecSettings.auto``) for ``auto``."""
+    ``thresholds`` are the process set's (its ``ExecSettings.auto``) for ``auto``. The
+    ``adasum`` op has one algorithm of its own (per tensor: ``ctx.sizes``)."""
+    if op == "adasum":
+        adasum_reduce(buf, op, topo, compressor, ctx)
+        return "adasum"
     name = choose(algorithm, int(buf.nbytes), topo, thresholds)
     _REGISTRY[name](buf, op, topo, compressor, ctx)
     return name

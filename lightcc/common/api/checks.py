@@ -75,10 +75,12 @@ def _name(eng: Engine, coll: Coll, name: str | None, pset: int,
     return name, None, None
 
 
-def _op(op: Any, default: str, what: str, dtype: str) -> str:
+def _op(op: Any, default: str, what: str, dtype: str, adasum: bool = False) -> str:
     op = default if op is None else op
     if op == Adasum:
-        raise InvalidArgumentError(f"{what}: Adasum is not supported by lightcc; use Average")
+        if adasum:      # checked with the process set by the caller (algorithms/adasum.py)
+            return op
+        raise InvalidArgumentError(f"{what}: Adasum is supported by allreduce only")
     if not isinstance(op, str):
         raise InvalidArgumentError(f"{what}: op must be one of Sum, Average, Min, Max, Product, "
                                    f"BitwiseAnd, BitwiseOr, BitwiseXor")
@@ -173,10 +175,13 @@ def _allreduce_request(array: Any, op: Any, name: str | None, prescale_factor: f
     ``allreduce_async`` and ``prepare_allreduce``); the string names it in errors."""
     call = _prologue(Coll.ALLREDUCE, array, name, process_set, ordered)
     what = call.what("allreduce")
-    op_ = _op(op, Average, what, call.dt)
+    op_ = _op(op, Average, what, call.dt, adasum=True)
     pre, post = _scales(prescale_factor, postscale_factor, call.dt, what)
     req = Request(Coll.ALLREDUCE, call.name, call.dt, tuple(call.arr.shape), op_, -1, pre, post,
                   (), _compression_spec(compression), call.pset)
+    if op_ == Adasum:
+        adasum.check(len(call.eng.pset(call.pset).ranks), call.dt,
+                     type(call.arr) is DeviceTensor, req.compression, what)
     return call, req, what
 
 

@@ -15,7 +15,7 @@ from ..exceptions import InvalidArgumentError
 from ..execution import direct
 from .checks import (_allreduce_request, _as_array, _check_out, _compression_spec, _name,
                      _on_device, _op, _prologue, _pset_id, _root_index, _scales, _wake_of)
-from .state import Average, _get
+from .state import Adasum, Average, _get
 
 
 def allreduce_async(array: Any, op: str | None = None, name: str | None = None,
@@ -77,7 +77,9 @@ def allreduce_direct(array: Any, op: str | None, prescale_factor: float,
     eng._check_alive()
     dt = dtypes.name_of(arr.dtype)
     what = "unnamed allreduce"
-    op_ = _op(op, Average, what, dt)
+    op_ = _op(op, Average, what, dt, adasum=True)
+    if op_ == Adasum:       # never direct: the engine runs it (allreduce_async checks it)
+        return None
     pre, post = _scales(prescale_factor, postscale_factor, dt, what)
     spec = _compression_spec(compression)
     host = type(arr) is not DeviceTensor

@@ -60,8 +60,12 @@ def make(group: Group, resps: list[Response]) -> BucketPlan:
     try:
         topo = group.device_comms().topo if req.device and not group.settings.cpu_reduce \
             else group.topo
-        plan.algorithm = algorithms.choose(group.algorithm, nbytes, topo, group.settings.auto)
-        plan.reduce = algorithms.get(plan.algorithm)
+        if req.op == "adasum":     # an op with its own algorithm (LCC_ALGORITHM not applied)
+            plan.algorithm, plan.reduce = "adasum", algorithms.adasum_reduce
+        else:
+            plan.algorithm = algorithms.choose(group.algorithm, nbytes, topo,
+                                               group.settings.auto)
+            plan.reduce = algorithms.get(plan.algorithm)
     except Exception as exc:      # an unknown algorithm fails on every rank alike
         plan.error = exc
     plan.agreed = (faults.enabled() or plan.compressor is not None or plan.error is not None

@@ -81,7 +81,7 @@ expect(InvalidArgumentError, lambda: lcc.alltoall(np.zeros(4), splits=[5] + [0] 
 expect(InvalidArgumentError, lambda: lcc.alltoall(np.zeros(4), splits=[-1] + [0] * (N - 1)),
        "sum to")
 expect(InvalidArgumentError, lambda: lcc.allgather(np.float32(3)), "0-d")
-expect(InvalidArgumentError, lambda: lcc.allreduce(np.zeros(2), op=lcc.Adasum), "Adasum")
+expect(InvalidArgumentError, lambda: lcc.reducescatter(np.zeros(2), op=lcc.Adasum), "Adasum")
 expect(InvalidArgumentError, lambda: lcc.allreduce(np.zeros(2), name=5), "name")
 expect(UnsupportedDTypeError, lambda: lcc.allreduce("text"), "expected a NumPy array")
 works("local")
