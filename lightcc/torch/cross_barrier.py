@@ -48,7 +48,7 @@ def check_optimizer(optimizer: torch.optim.Optimizer) -> None:
 class _Reduction:
     """One started reduction (a parameter, or a group reduced together) and its outcome."""
 
-    __slots__ = ("key", "handle", "info", "done")
+    __slots__ = ("done", "handle", "info", "key")
 
     def __init__(self, key: Any, handle: Any, info: Any) -> None:
         self.key, self.handle, self.info, self.done = key, handle, info, False
@@ -58,7 +58,7 @@ class _Pending:
     """A parameter's update waiting for its reduction: the gradient tensor being reduced and
     the hyperparameters of its param_group at ``step()``."""
 
-    __slots__ = ("reduction", "grad", "group", "hyper")
+    __slots__ = ("grad", "group", "hyper", "reduction")
 
     def __init__(self, reduction: _Reduction, grad: Any, group: int, hyper: dict) -> None:
         self.reduction, self.grad, self.group, self.hyper = reduction, grad, group, hyper

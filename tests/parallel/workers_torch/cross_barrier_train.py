@@ -19,11 +19,11 @@ from __future__ import annotations
 import sys
 
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
+from common import close, run
+from torch import nn
 
 import lightcc.torch as hvd
-from common import close, run
 
 STEPS, ADD = 20, 10
 MODE, SET, OUT = sys.argv[1], sys.argv[2], sys.argv[3]
@@ -86,7 +86,7 @@ OPTIMIZERS = {
 COMP = {"none": hvd.Compression.none, "fp16": hvd.Compression.fp16,
         "bf16": hvd.Compression.bf16, "fp8": hvd.Compression.fp8(),
         "topk": hvd.Compression.topk(0.1), "powersgd": hvd.Compression.powersgd(rank=2)}
-# (optimizer, compression, variant); variant: "" | "bpps2" | "clip" | "scaler"
+# (optimizer, compression, variant); variant: "" | "bpps2" | "clip" | "scaler" | "pset"
 CONFIGS = {
     "exact": [("sgd", "none", ""), ("adamw", "none", ""), ("adam_foreach", "none", ""),
               ("adam_fused", "none", ""), ("rmsprop", "none", ""), ("adagrad", "none", ""),
@@ -94,6 +94,10 @@ CONFIGS = {
               ("sgd", "none", "bpps2"), ("sgd", "none", "clip"), ("adamw", "none", "scaler")],
     "lossy": [("sgd", "fp8", ""), ("sgd", "topk", ""), ("adamw", "topk", ""),
               ("sgd", "powersgd", "")],
+    # 3 ranks, 4 ranks on 2 simulated nodes (run with fusion off for TopK)
+    "core": [("sgd", "none", ""), ("adamw", "none", ""), ("sgd", "fp16", ""),
+             ("adamw", "fp16", ""), ("sgd", "topk", ""), ("adamw", "topk", ""),
+             ("sgd", "none", "pset")],
 }
 
 
@@ -101,12 +105,13 @@ def train(opt_name: str, comp: str, variant: str) -> None:
     tag = f"{opt_name}.{comp}.{variant}"
     model = Net()
     xbar = MODE == "xbar"
+    pset = hvd.add_process_set([0, N - 1]) if variant == "pset" else hvd.global_process_set
     opt = hvd.DistributedOptimizer(
         OPTIMIZERS[opt_name](base_params(model)),
         named_parameters=[(f"{tag}.{n}", p) for n, p in model.named_parameters()
                           if not n.startswith("extra.")],
         compression=COMP[comp], backward_passes_per_step=2 if variant == "bpps2" else 1,
-        cross_barrier=xbar, model=model if xbar else None)
+        cross_barrier=xbar, model=model if xbar else None, process_set=pset)
     sched = torch.optim.lr_scheduler.ExponentialLR(opt, 0.9)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8) if variant == "scaler" else None
     ref = ref_opt = ref_sched = None
