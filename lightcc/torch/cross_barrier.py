@@ -80,27 +80,57 @@ class CrossBarrierOptimizer(_DistributedOptimizer):
         super().__init__(optimizer, *args)
         self._pending: dict = {}              # parameter -> _Pending
         self._module_hooks: list = []
-        self._claimed: set = set()            # parameters some module of `model` owns
+        self._plan: dict = {}                 # module -> parameters its pre-hook applies
+        self._called: set = set()             # modules the first forward called
+        self._learning = True
+        self._claimed: set = set()            # parameters some module's pre-hook applies
         self._model = model
         self._hook_model(model)
 
     # ---- hooks ------------------------------------------------------------------------------
     def _hook_model(self, model: torch.nn.Module, wanted: Any = None) -> None:
-        """A forward pre-hook on every module that directly owns trainable parameters (of
-        ``wanted``, default: every parameter this optimizer reduces)."""
+        """A forward pre-hook on every module of ``model``: a module applies the updates of
+        the parameters it owns directly (of ``wanted``, default: every parameter this
+        optimizer reduces) and, once the first forward showed which modules are called, of
+        those owned only by modules that forward never called (``nn.MultiheadAttention``
+        reads ``out_proj.weight`` without calling ``out_proj``; a model may read
+        ``self.pos.weight``): the nearest called ancestor applies them."""
         wanted = set(self._requires_update) if wanted is None else wanted
         for module in model.modules():
-            own = tuple(p for p in module.parameters(recurse=False) if p in wanted)
-            if not own:
-                continue
+            own = [p for p in module.parameters(recurse=False) if p in wanted]
+            if module not in self._plan:
+                self._plan[module] = []
+                self._module_hooks.append(
+                    module.register_forward_pre_hook(self._make_pre_hook(module)))
+            self._plan[module].extend(own)
             self._claimed.update(own)
-            hook = self._make_pre_hook(own)
-            self._module_hooks.append(module.register_forward_pre_hook(hook))
 
-    def _make_pre_hook(self, params: tuple) -> Any:
-        def pre_forward(module: Any, args: Any) -> None:
+    def _adopt_orphans(self) -> None:
+        """After the first forward: parameters whose owners were never called go to the
+        nearest ancestor that was (none: applied at ``step()``, as unclaimed)."""
+        self._learning = False
+        parents = {child: mod for mod in self._model.modules() for child in mod.children()}
+        for module in list(self._plan):
+            if module in self._called or not self._plan[module]:
+                continue
+            up = parents.get(module)
+            while up is not None and up not in self._called:
+                up = parents.get(up)
+            if up is None:
+                self._claimed.difference_update(self._plan[module])
+            else:
+                self._plan[up] = list(dict.fromkeys(self._plan[up] + self._plan[module]))
+        self._called.clear()
+
+    def _make_pre_hook(self, module: torch.nn.Module) -> Any:
+        plan, called = self._plan, self._called
+
+        def pre_forward(mod: Any, args: Any) -> None:
+            if self._learning:
+                called.add(mod)
             if self._pending:
-                self._apply([p for p in params if p in self._pending])
+                pending = self._pending
+                self._apply([p for p in plan[mod] if p in pending])
         # torch.compile: run the wait eagerly (a graph break at each such module).
         disable = getattr(getattr(torch, "_dynamo", None), "disable", None)
         return disable(pre_forward) if disable is not None else pre_forward
@@ -191,6 +221,8 @@ class CrossBarrierOptimizer(_DistributedOptimizer):
             # After an explicit synchronize() (clipping, GradScaler), or nothing to reduce:
             # the barrier-mode step.
             return super().step()
+        if self._learning:
+            self._adopt_orphans()
         self._start_missing()
         hyper = [_snapshot(g) for g in self._opt.param_groups]
         group_of = {p: i for i, g in enumerate(self._opt.param_groups) for p in g["params"]}

@@ -68,19 +68,43 @@ def refuses_closure() -> None:
     opt.synchronize()
 
 
+class Parent(nn.Module):
+    """Reads its child's parameters without calling the child (always, or from step 1 on)."""
+
+    def __init__(self, call_first: bool) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inner = nn.Linear(6, 4)
+        self.call_first, self.calls = call_first, 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        if self.call_first and self.calls == 1:
+            return self.inner(x)
+        return F.linear(x, self.inner.weight, self.inner.bias)
+
+
+def parent_reading_child_weights_matches_barrier() -> None:
+    """The first forward shows ``inner`` is never called: Parent's pre-hook applies its
+    parameters (as for ``nn.MultiheadAttention.out_proj`` or a position embedding)."""
+    runs = []
+    for xbar in (False, True):
+        model = Parent(call_first=False)
+        opt = wrap(model, f"p{int(xbar)}", xbar)
+        for step in range(4):
+            opt.zero_grad()
+            x, y = batch(step)
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+        opt.synchronize()
+        runs.append([p.detach().clone() for p in model.parameters()])
+    check(all(torch.equal(a, b) for a, b in zip(*runs)), "parent: cross-barrier != barrier")
+
+
 def stale_read_is_an_error() -> None:
-    """A parent that reads a child's weight without calling the child would see the old value:
+    """A module called in the first forward but read directly later would see the old value:
     the next backward says so (on every rank) instead of training on it."""
-    class Parent(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.inner = nn.Linear(6, 4)
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return F.linear(x, self.inner.weight, self.inner.bias)
-
-    torch.manual_seed(0)
-    model = Parent()
+    model = Parent(call_first=True)
     opt = wrap(model, "s", True)
     x, y = batch(0)
     F.cross_entropy(model(x), y).backward()
@@ -114,6 +138,25 @@ def zero_grad_keeps_reducing_gradients() -> None:
               f"zero_grad(set_to_none={set_to_none}): cross-barrier != barrier")
 
 
+def attention_reads_child_weights() -> None:
+    """nn.MultiheadAttention reads out_proj.weight without calling out_proj: the hook of the
+    module owning in_proj_weight applies its children's updates too (else: stale-read error)."""
+    runs = []
+    for xbar in (False, True):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(6, 8), nn.TransformerEncoderLayer(8, 2, 16,
+                                                                          dropout=0.0))
+        opt = wrap(model, f"a{int(xbar)}", xbar)
+        for step in range(4):
+            opt.zero_grad()
+            x, y = batch(step)
+            F.cross_entropy(model(x.view(5, 1, 6).expand(5, 3, 6))[:, 0, :4], y).backward()
+            opt.step()
+        opt.synchronize()
+        runs.append([p.detach().clone() for p in model.parameters()])
+    check(all(torch.equal(a, b) for a, b in zip(*runs)), "attention: cross-barrier != barrier")
+
+
 def compiled_model_matches_barrier() -> None:
     """torch.compile'd model (the hooks run eagerly at graph breaks). Dynamo does not guard
     on module hooks: a graph compiled for a hook-less model of the same class would be reused
@@ -141,8 +184,9 @@ def main() -> None:
     hvd.init()
     R, N = hvd.rank(), hvd.size()
     run([refuses_without_model, refuses_whole_model_optimizers, refuses_closure,
-         stale_read_is_an_error, zero_grad_keeps_reducing_gradients,
-         compiled_model_matches_barrier])
+         parent_reading_child_weights_matches_barrier, stale_read_is_an_error,
+         zero_grad_keeps_reducing_gradients,
+         attention_reads_child_weights, compiled_model_matches_barrier])
     hvd.shutdown()
 
 
