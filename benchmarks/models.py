@@ -7,7 +7,8 @@ set serves all of them. Parameter tensor counts are what matters for a communica
 - ``resmlp``: 40 residual blocks of LayerNorm + Linear + ReLU at width 410, 7.1 M parameters in
   164 tensors (many small tensors, shaped like real networks' 100-300);
 - ``cnn``: a small ResNet-style CNN (stem + 4 basic blocks + classifier), 29 tensors, most of
-  the step in compute.
+  the step in compute;
+- ``transformer``: row embedding + 12 uniform encoder blocks (width 256), 9.5 M parameters.
 """
 from __future__ import annotations
 
@@ -87,7 +88,32 @@ class SmallResNet(nn.Module):
         return self.fc(F.adaptive_avg_pool2d(x, 1).flatten(1))
 
 
-MODELS = {"mlp": mlp, "resmlp": ResMLP, "cnn": SmallResNet}
+class Transformer(nn.Module):
+    """Embedding + ``blocks`` uniform pre-norm encoder blocks + classifier: each image row is a
+    token (28 tokens of 28 pixels), embedded by a Linear layer plus a learned position
+    embedding; width 256, 4 heads, feed-forward 1024, 12 blocks: 9.5 M parameters in 148
+    tensors, every block the same size, so backward produces equal gradients at an even pace
+    (the regime cross-barrier mode is for). ``--batch-size`` chooses how compute compares with
+    the wire."""
+
+    def __init__(self, blocks: int = 12, width: int = 256, heads: int = 4,
+                 ff: int = 1024) -> None:
+        super().__init__()
+        self.embed = nn.Linear(28, width)
+        self.pos = nn.Embedding(28, width)
+        self.blocks = nn.Sequential(*[
+            nn.TransformerEncoderLayer(width, heads, ff, dropout=0.0, batch_first=True,
+                                       norm_first=True) for _ in range(blocks)])
+        self.norm = nn.LayerNorm(width)
+        self.fc = nn.Linear(width, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        tokens = self.embed(x.flatten(1, 2))                  # (N, 28 rows, 28) -> (N, 28, w)
+        tokens = tokens + self.pos.weight
+        return self.fc(self.norm(self.blocks(tokens)).mean(1))
+
+
+MODELS = {"mlp": mlp, "resmlp": ResMLP, "cnn": SmallResNet, "transformer": Transformer}
 
 
 def build(name: str) -> nn.Module:

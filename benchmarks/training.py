@@ -11,6 +11,8 @@ Columns (``--configs``, comma separated):
 
 - ``lightcc`` / ``lightcc:fp16`` / ``:bf16`` / ``:fp8`` / ``:topk``: ``lightcc.torch``'s
   ``DistributedOptimizer`` with that compressor;
+- ``cross_barrier`` / ``cross_barrier:fp16`` / ...: the same with ``cross_barrier=True``
+  (docs/cross-barrier.md): each module's update is applied just before its next forward;
 - ``ddp`` / ``ddp:fp16`` / ``ddp:bf16``: ``DistributedDataParallel`` on gloo, plain or with
   torch's own ``fp16_compress_hook`` / ``bf16_compress_hook`` (torch 2.13 refuses its bf16
   hook without CUDA/NCCL, so ``ddp:bf16`` runs only on GPU builds and is not a default);
@@ -28,12 +30,21 @@ Columns (``--configs``, comma separated):
   costs, before any bytes move.
 
 Models (``--models``): ``mlp`` (6 large tensors), ``resmlp`` (164 small tensors), ``cnn``
-(29 tensors, compute-bound); see benchmarks/models.py. Every rank trains the same model on
+(29 tensors, compute-bound), ``transformer`` (embedding + 12 uniform encoder blocks; not a
+default); see benchmarks/models.py. Every rank trains the same model on
 synthetic MNIST-shaped data, SGD with momentum, ``--batch-size`` samples per rank, one torch
 thread per rank (``--threads``). Columns run one after the other inside the same processes and
 alternate for ``--rounds`` rounds; a round's figure is the median step of the slowest rank, the
 table shows the best round and the median over rounds. With ``--cpu`` the table adds the
 lightcc engine thread's share of one core during the timed steps (rank 0).
+
+Per model the worker first measures, with no communication, the forward time F and the
+backward time B (medians), and the link rate (a pairwise MPI exchange of 8 MB, both
+directions at once); a second table gives, per lightcc column, the wire time W (bytes a rank
+sends per step in a ring allreduce, 2 (n-1)/n x the gradient bytes after compression, / that
+rate), the barrier bound F + max(B, W) (the wire can start during backward, forward cannot
+start before the last gradient arrived), the cross-barrier bound max(F + B, W), and the
+measured step as a fraction of each (bound / step).
 
 ``--engine-cost`` prints the per-tensor cost of lightcc's engine on a single rank: 164 small
 in-place allreduces through ``lightcc.torch`` per step, µs per tensor.
@@ -55,10 +66,13 @@ for p in (str(REPO), str(HERE)):
     if p not in sys.path:
         sys.path.insert(0, p)
 
-DEFAULT_CONFIGS = "lightcc,ddp,ddp-lcc"
-NETNS_CONFIGS = ("lightcc,lightcc:fp16,lightcc:bf16,lightcc:fp8,lightcc:topk,ddp,ddp:fp16,"
+DEFAULT_CONFIGS = "lightcc,cross_barrier,ddp,ddp-lcc"
+NETNS_CONFIGS = ("lightcc,lightcc:fp16,lightcc:bf16,lightcc:fp8,lightcc:topk,cross_barrier,"
+                 "cross_barrier:fp16,cross_barrier:fp8,ddp,ddp:fp16,"
                  "ddp-lcc,ddp-lcc:fp16,ddp-lcc:topk")
-ENGINE_CONFIGS = ("lightcc", "ddp-lcc")      # columns that run lightcc's engine thread
+ENGINE_CONFIGS = ("lightcc", "ddp-lcc", "cross_barrier")   # columns running lightcc's engine
+# bytes on the wire per gradient byte, per compressor (TopK/PowerSGD: depends on the bucket)
+WIRE_FACTOR = {"none": 1.0, "fp16": 0.5, "bf16": 0.5, "fp8": 0.25}
 
 
 # ---- worker (runs on every rank under mpirun) -------------------------------------------------
@@ -139,13 +153,15 @@ class Worker:
         framework, _, option = config.partition(":")
         torch.manual_seed(0)
         model = models.build(model_name)
-        if framework == "lightcc":
+        if framework in ("lightcc", "cross_barrier"):
             lcc = self.lightcc()
             opt = _sgd(model)
             lcc.broadcast_parameters(model.state_dict(), root_rank=0)
             comp = _compression(lcc, option or "none")
+            xbar = framework == "cross_barrier"
             opt = lcc.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
-                                           compression=comp)
+                                           compression=comp, cross_barrier=xbar,
+                                           model=model if xbar else None)
             return model, opt
         if framework == "ddp":
             from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
@@ -241,9 +257,56 @@ class Worker:
             if i >= args.warmup:
                 times.append(time.perf_counter() - t0)
         share = (_thread_cpu_seconds(tid) - cpu0) / max(time.perf_counter() - wall0, 1e-9)
+        if hasattr(opt, "synchronize"):
+            opt.synchronize()       # cross_barrier: apply the last step's pending updates
         self.barrier()
         slowest = self.comm.allreduce(statistics.median(times), op=_max())
         return {"img_s": args.batch_size * self.world / slowest, "engine_cpu": share}
+
+
+    def phases(self, model_name: str) -> dict:
+        """Forward and backward seconds (medians, no communication; the slowest rank's), the
+        model's gradient bytes and the link rate (bytes/s one way, each rank exchanging 8 MB
+        with a partner in both directions at once, median of 5)."""
+        import numpy as np
+        import torch
+        import torch.nn.functional as F
+
+        import models
+
+        torch.manual_seed(0)
+        model = models.build(model_name)
+        opt = _sgd(model)
+        fwd, bwd = [], []
+        for i in range(self.args.warmup + self.args.iters):
+            x, y = self.data[i % len(self.data)]
+            opt.zero_grad(set_to_none=True)
+            t0 = time.perf_counter()
+            loss = F.cross_entropy(model(x), y)
+            t1 = time.perf_counter()
+            loss.backward()
+            t2 = time.perf_counter()
+            opt.step()
+            if i >= self.args.warmup:
+                fwd.append(t1 - t0)
+                bwd.append(t2 - t1)
+        nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        rate = 0.0
+        partner = self.rank ^ 1
+        if partner < self.world:
+            buf, got = np.ones(8 << 20, np.uint8), np.empty(8 << 20, np.uint8)
+            times = []
+            for _ in range(5):
+                self.comm.Sendrecv(buf[:1024], partner, recvbuf=got[:1024], source=partner)
+                t0 = time.perf_counter()
+                self.comm.Sendrecv(buf, partner, recvbuf=got, source=partner)
+                times.append(time.perf_counter() - t0)
+            rate = buf.nbytes / statistics.median(times)
+        self.barrier()
+        return {"F": self.comm.allreduce(statistics.median(fwd), op=_max()),
+                "B": self.comm.allreduce(statistics.median(bwd), op=_max()),
+                "grad_bytes": nbytes, "link_Bps": self.comm.allreduce(rate, op=_min()),
+                "world": self.world, "batch": self.args.batch_size}
 
 
 def _sgd(model):
@@ -271,6 +334,12 @@ def _max():
     from mpi4py import MPI
 
     return MPI.MAX
+
+
+def _min():
+    from mpi4py import MPI
+
+    return MPI.MIN
 
 
 def _compression(lcc, name: str):
@@ -317,6 +386,9 @@ def worker_main(args: argparse.Namespace) -> None:
         return
     w = Worker(args)
     for model_name in args.models.split(","):
+        ph = w.phases(model_name)
+        if w.rank == 0:
+            print("ROW " + json.dumps({"model": model_name, "phases": ph}), flush=True)
         for rnd in range(args.rounds):
             for config in args.configs.split(","):
                 res = w.run(model_name, config)
@@ -428,6 +500,38 @@ def table(rows: list[dict], configs: list[str], baselines: list[str], cpu: bool)
     return "\n".join(lines)
 
 
+def bounds_table(rows: list[dict], configs: list[str]) -> str:
+    """Per model and lightcc column: F, B, W and the two bounds (ms), and the measured step
+    as a fraction of each (bound / median step)."""
+    lines = ["| model | column | F ms | B ms | W ms | step ms | barrier bound F+max(B,W) ms "
+             "| step vs barrier bound | cross-barrier bound max(F+B,W) ms "
+             "| step vs cross-barrier bound |", "|" + "---|" * 10]
+    phases = {r["model"]: r["phases"] for r in rows if "phases" in r}
+    for model, ph in phases.items():
+        n = ph["world"]
+        for c in configs:
+            framework, _, option = c.partition(":")
+            if framework not in ("lightcc", "cross_barrier"):
+                continue
+            vals = [r["img_s"] for r in rows if r.get("model") == model and r.get("config") == c]
+            factor = WIRE_FACTOR.get(option or "none")
+            if not vals or factor is None or not ph["link_Bps"]:
+                continue
+            step = _median_step(ph, vals)
+            f, b = ph["F"], ph["B"]
+            w = 2 * (n - 1) / n * ph["grad_bytes"] * factor / ph["link_Bps"]
+            barrier, xbar = f + max(b, w), max(f + b, w)
+            lines.append(f"| {model} | {c} | {1e3 * f:.0f} | {1e3 * b:.0f} | {1e3 * w:.0f} | "
+                         f"{1e3 * step:.0f} | {1e3 * barrier:.0f} | {barrier / step:.0%} | "
+                         f"{1e3 * xbar:.0f} | {xbar / step:.0%} |")
+    return "\n".join(lines)
+
+
+def _median_step(ph: dict, img_s: list[float]) -> float:
+    """The median step (s) of a column from its img/s over rounds."""
+    return ph["batch"] * ph["world"] / statistics.median(img_s)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="mlp,resmlp,cnn")
@@ -477,7 +581,9 @@ def main() -> None:
           f"thread(s)/rank, {args.iters} timed steps x {args.rounds} rounds; img/s best "
           f"(median); ratios: median of per-round ratios", flush=True)
     rows = launch(args, passthrough, args.np_)
-    print(table(rows, configs, baselines, args.cpu))
+    print(table([r for r in rows if "img_s" in r], configs, baselines, args.cpu))
+    print()
+    print(bounds_table(rows, configs))
     result: dict = {"rows": rows}
     if args.engine_cost:
         args.netns = False

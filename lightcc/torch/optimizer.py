@@ -21,7 +21,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Any
                          compression: Any = None, backward_passes_per_step: int = 1,
                          op: Any = Average, gradient_predivide_factor: float = 1.0,
                          num_groups: int = 0, groups: Any = None, sparse_as_dense: bool = False,
-                         process_set: Any = global_process_set) -> _DistributedOptimizer:
+                         process_set: Any = global_process_set, cross_barrier: bool = False,
+                         model: Any = None) -> _DistributedOptimizer:
     """Wrap ``optimizer`` so that ``step()`` applies gradients averaged over all ranks.
 
     Arguments follow ``horovod.torch.DistributedOptimizer``: ``named_parameters`` (names for
@@ -34,7 +35,10 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Any
     (scale by 1/f before the sum and f/size after; Average only), ``groups``/``num_groups``
     (reduce these parameters together), ``sparse_as_dense`` and ``process_set``. Call
     ``synchronize()`` before modifying gradients (clipping, ``GradScaler.unscale_``), then
-    ``step()`` inside ``skip_synchronize()``.
+    ``step()`` inside ``skip_synchronize()``. ``cross_barrier=True`` (needs ``model``, the
+    module whose forward reads the parameters) lets the next forward start before every
+    reduction finished: each module's update is applied just before its forward, exactly as
+    ``step()`` would have applied it (docs/cross-barrier.md).
     """
     if gradient_predivide_factor != 1.0 and op != Average:
         raise ValueError("gradient_predivide_factor not supported with op != Average")
@@ -51,6 +55,20 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Any
         raise ValueError("optimizer is already a DistributedOptimizer")
     if compression is None:
         compression = default_compression()
+    if cross_barrier:
+        if not isinstance(model, torch.nn.Module):
+            raise InvalidArgumentError("cross_barrier=True needs model=<the torch.nn.Module "
+                                       "whose forward reads these parameters>: its modules' "
+                                       f"forward pre-hooks apply the updates (got {model!r})")
+        if op == Adasum:
+            raise InvalidArgumentError("cross_barrier=True does not support op=Adasum (Adasum "
+                                       "reduces the optimizer's parameter deltas at step())")
+        from .cross_barrier import CrossBarrierOptimizer
+        return CrossBarrierOptimizer(optimizer, model, named_parameters, compression,
+                                     backward_passes_per_step, op, gradient_predivide_factor,
+                                     groups, sparse_as_dense, process_set)
+    if model is not None:
+        raise InvalidArgumentError("model= is only used with cross_barrier=True")
     if op == Adasum and _api.size() > 1:      # reduces parameter deltas: torch/adasum.py
         from .adasum import adasum_optimizer
         return adasum_optimizer(optimizer, named_parameters, compression,

@@ -1,0 +1,299 @@
+"""Cross-barrier ``DistributedOptimizer``: the next forward starts while gradients are on the wire.
+
+Barrier mode's ``step()`` waits for every gradient's reduction and then updates every
+parameter. Here ``step()`` only starts what is missing and records, per parameter, a *pending
+update*: the reduction's handle, the gradient tensor being reduced, and a snapshot of that
+parameter's ``param_group`` hyperparameters (LR schedulers change them right after
+``step()``). A forward pre-hook on every module that directly owns parameters waits for the
+reductions of exactly those parameters and applies the wrapped optimizer's update to them, on
+the main thread, with the snapshotted hyperparameters. So layer 1 of forward *t+1* computes
+while later layers' gradients of step *t* are still being reduced, and every parameter forward
+*t+1* reads holds exactly the update of step *t* (bitwise what barrier mode computes: the same
+optimizer kernels run on the same values, only on fewer tensors at a time).
+
+Anything else that reads parameters or optimizer state drains every pending update first:
+``synchronize()``, ``state_dict()``, ``load_state_dict()``, ``add_param_group()`` and the next
+``step()`` (for parameters no forward used). ``zero_grad()`` never touches a gradient still
+being reduced: the pending update holds that tensor, and the parameter gets a fresh one.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..common.exceptions import InvalidArgumentError
+from .distributed_optimizer import _DistributedOptimizer
+
+# torch.optim classes whose update of a parameter reads only that parameter, its gradient and
+# its own state: stepping them on a subset of the parameters gives the same bits.
+PER_PARAMETER = ("SGD", "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "RMSprop", "Rprop",
+                 "Adagrad", "Adadelta", "ASGD", "SparseAdam")
+
+
+def check_optimizer(optimizer: torch.optim.Optimizer) -> None:
+    """Refuse optimizers whose update of one parameter may read the others (LBFGS, Muon, any
+    class that is not one of torch's per-parameter optimizers, subclasses included: their
+    ``step`` could compute a global norm)."""
+    cls = type(optimizer)
+    known = {getattr(torch.optim, n) for n in PER_PARAMETER if hasattr(torch.optim, n)}
+    if cls not in known:
+        raise InvalidArgumentError(
+            f"cross_barrier=True needs an optimizer whose update is per parameter "
+            f"(torch.optim {', '.join(PER_PARAMETER)}); {cls.__module__}.{cls.__name__} may "
+            f"need every parameter at once, so it cannot update parameters one module at a "
+            f"time: use cross_barrier=False")
+
+
+class _Reduction:
+    """One started reduction (a parameter, or a group reduced together) and its outcome."""
+
+    __slots__ = ("done", "handle", "info", "key")
+
+    def __init__(self, key: Any, handle: Any, info: Any) -> None:
+        self.key, self.handle, self.info, self.done = key, handle, info, False
+
+
+class _Pending:
+    """A parameter's update waiting for its reduction: the gradient tensor being reduced and
+    the hyperparameters of its param_group at ``step()``."""
+
+    __slots__ = ("grad", "group", "hyper", "reduction")
+
+    def __init__(self, reduction: _Reduction, grad: Any, group: int, hyper: dict) -> None:
+        self.reduction, self.grad, self.group, self.hyper = reduction, grad, group, hyper
+
+
+def _snapshot(group: dict) -> dict:
+    """A param_group's hyperparameters as they are now (tensors copied: schedulers may write
+    a tensor learning rate in place)."""
+    return {k: (v.clone() if isinstance(v, torch.Tensor) else v)
+            for k, v in group.items() if k != "params"}
+
+
+class CrossBarrierOptimizer(_DistributedOptimizer):
+    """See ``DistributedOptimizer(..., cross_barrier=True, model=...)``."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, model: torch.nn.Module,
+                 *args: Any) -> None:
+        check_optimizer(optimizer)
+        super().__init__(optimizer, *args)
+        self._pending: dict = {}              # parameter -> _Pending
+        self._module_hooks: list = []
+        self._plan: dict = {}                 # module -> parameters its pre-hook applies
+        self._called: set = set()             # modules the first forward called
+        self._learning = True
+        self._claimed: set = set()            # parameters some module's pre-hook applies
+        self._model = model
+        self._hook_model(model)
+
+    # ---- hooks ------------------------------------------------------------------------------
+    def _hook_model(self, model: torch.nn.Module, wanted: Any = None) -> None:
+        """A forward pre-hook on every module of ``model``: a module applies the updates of
+        the parameters it owns directly (of ``wanted``, default: every parameter this
+        optimizer reduces) and, once the first forward showed which modules are called, of
+        those owned only by modules that forward never called (``nn.MultiheadAttention``
+        reads ``out_proj.weight`` without calling ``out_proj``; a model may read
+        ``self.pos.weight``): the nearest called ancestor applies them."""
+        wanted = set(self._requires_update) if wanted is None else wanted
+        for module in model.modules():
+            own = [p for p in module.parameters(recurse=False) if p in wanted]
+            if module not in self._plan:
+                self._plan[module] = []
+                self._module_hooks.append(
+                    module.register_forward_pre_hook(self._make_pre_hook(module)))
+            self._plan[module].extend(own)
+            self._claimed.update(own)
+
+    def _adopt_orphans(self) -> None:
+        """After the first forward: parameters whose owners were never called go to the
+        nearest ancestor that was (none: applied at ``step()``, as unclaimed)."""
+        self._learning = False
+        parents = {child: mod for mod in self._model.modules() for child in mod.children()}
+        for module in list(self._plan):
+            if module in self._called or not self._plan[module]:
+                continue
+            up = parents.get(module)
+            while up is not None and up not in self._called:
+                up = parents.get(up)
+            if up is None:
+                self._claimed.difference_update(self._plan[module])
+            else:
+                self._plan[up] = list(dict.fromkeys(self._plan[up] + self._plan[module]))
+        self._called.clear()
+
+    def _make_pre_hook(self, module: torch.nn.Module) -> Any:
+        plan, called = self._plan, self._called
+
+        def pre_forward(mod: Any, args: Any) -> None:
+            if self._learning:
+                called.add(mod)
+            if self._pending:
+                pending = self._pending
+                self._apply([p for p in plan[mod] if p in pending])
+        # torch.compile: run the wait eagerly (a graph break at each such module).
+        disable = getattr(getattr(torch, "_dynamo", None), "disable", None)
+        return disable(pre_forward) if disable is not None else pre_forward
+
+    def _on_grad(self, p: torch.Tensor) -> None:
+        if p in self._pending:
+            name = self._parameter_names.get(p, "?")
+            raise InvalidArgumentError(
+                f"cross_barrier: parameter '{name}' got a gradient while its update from the "
+                f"previous step was still pending: forward read it without calling the module "
+                f"that owns it, so it saw the old value. Call optimizer.synchronize() before "
+                f"such a forward, or use cross_barrier=False")
+        super()._on_grad(p)
+
+    # ---- applying updates -------------------------------------------------------------------
+    def _finish_reduction(self, red: _Reduction) -> None:
+        """Wait for one reduction and leave each member's reduced gradient in its pending
+        record (the parameter's own ``.grad`` may already be a new step's)."""
+        if red.done:
+            return
+        red.done = True
+        members = red.key if isinstance(red.key, tuple) else (red.key,)
+        saved = [p.grad for p in members]
+        try:
+            for p in members:
+                p.grad = self._pending[p].grad
+            self._finish(red.key, red.handle, red.info)
+            for p in members:
+                self._pending[p].grad = p.grad
+        finally:
+            for p, g in zip(members, saved):
+                p.grad = g
+
+    def _apply(self, params: list) -> None:
+        """Apply the pending updates of ``params`` (in place), each with its step's
+        hyperparameters, through the wrapped optimizer restricted to them."""
+        if not params:
+            return
+        pend = [self._pending[p] for p in params]
+        for rec in pend:
+            self._finish_reduction(rec.reduction)
+        by_group: dict = {}
+        for p, rec in zip(params, pend):
+            by_group.setdefault(rec.group, (rec.hyper, []))[1].append(p)
+        groups = []
+        for index in sorted(by_group):
+            hyper, members = by_group[index]
+            order = {p: i for i, p in enumerate(self._opt.param_groups[index]["params"])}
+            members.sort(key=lambda q: order[q])
+            groups.append({**hyper, "params": members})
+        original = self._opt.param_groups
+        saved = [p.grad for p in params]
+        try:
+            for p, rec in zip(params, pend):
+                p.grad = rec.grad
+            self._opt.param_groups = groups
+            self._opt.step()
+        finally:
+            self._opt.param_groups = original
+            for p, g in zip(params, saved):
+                p.grad = g
+            for p in params:
+                del self._pending[p]
+
+    def _drain(self) -> None:
+        """Apply every pending update (in registration order)."""
+        if self._pending:
+            self._apply(list(self._pending))
+
+    # ---- optimizer API ----------------------------------------------------------------------
+    def synchronize(self) -> None:
+        """Apply every pending update; then, if this step's gradients were computed, finish
+        their reductions in place (barrier mode's ``synchronize()``), so a following ``step()``
+        (inside ``skip_synchronize()``) updates every parameter at once, as barrier mode does:
+        the sync point for gradient clipping and ``GradScaler.unscale_``."""
+        self._drain()
+        if self._handles:
+            super().synchronize()
+
+    def step(self, closure: Any = None) -> Any:
+        if closure is not None:
+            raise InvalidArgumentError("cross_barrier=True: step(closure) is not supported "
+                                       "(a closure re-evaluates the model with the updated "
+                                       "parameters)")
+        self._drain()                  # updates no forward used since the last step()
+        if not self._should_synchronize or not self.process_set.included() or \
+                not self._watching():
+            # After an explicit synchronize() (clipping, GradScaler), or nothing to reduce:
+            # the barrier-mode step.
+            return super().step()
+        if self._learning:
+            self._adopt_orphans()
+        self._start_missing()
+        hyper = [_snapshot(g) for g in self._opt.param_groups]
+        group_of = {p: i for i, g in enumerate(self._opt.param_groups) for p in g["params"]}
+        reductions = [_Reduction(key, h, info) for key, (h, info) in self._handles.items()]
+        self._handles.clear()
+        self._reset_counts()
+        for red in reductions:
+            for p in (red.key if isinstance(red.key, tuple) else (red.key,)):
+                i = group_of[p]
+                self._pending[p] = _Pending(red, p.grad, i, hyper[i])
+        self._synchronized = False
+        unclaimed = [p for p in self._pending if p not in self._claimed]
+        self._apply(unclaimed)         # no forward hook would wait for these: update now
+        return None
+
+    def _watching(self) -> bool:
+        return bool(self._requires_update) and bool(self._hook_handles)
+
+    def _start_missing(self) -> None:
+        """Start the reductions backward did not start (barrier mode's synchronize, without
+        the waiting)."""
+        for key in [k for k, (h, _) in self._handles.items() if h is None]:
+            del self._handles[key]
+        begun = set()
+        for key in self._handles:
+            begun.update(key if isinstance(key, tuple) else (key,))
+        if self._groups is not None:
+            for group in self._group_counts:
+                if group[0] not in begun:
+                    self._handles[group] = self._submit_group(group)
+        else:
+            for p in [q for q in self._requires_update if q not in begun]:
+                self._handles[p] = self._submit(p)
+
+    def _reset_counts(self) -> None:
+        if self.backward_passes_per_step != 1:
+            self._allreduce_delay = dict.fromkeys(self._allreduce_delay,
+                                                  self.backward_passes_per_step)
+        if self._groups is not None:
+            self._group_counts = dict.fromkeys(self._group_counts, 0)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Zero (or drop) every gradient; one still being reduced is left to its pending
+        update, and the parameter gets a new one."""
+        if self._handles:
+            super().zero_grad(set_to_none)      # raises: backward done, step() not called
+        for p in self._pending:
+            if self._pending[p].grad is p.grad:
+                p.grad = None if set_to_none else torch.zeros_like(p)
+        self._opt.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> dict:
+        self._drain()
+        return super().state_dict()
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self._drain()
+        super().load_state_dict(state_dict)
+
+    def add_param_group(self, param_group: dict) -> None:
+        """Drain, add the group, and hook the modules of ``model`` that own its parameters."""
+        self._drain()
+        known = set(self._requires_update)
+        super().add_param_group(param_group)
+        new = set(self._requires_update) - known
+        if new:
+            self._hook_model(self._model, new)
+
+    def remove_hooks(self) -> None:
+        """Remove the forward pre-hooks (after draining every pending update)."""
+        self._drain()
+        for h in self._module_hooks:
+            h.remove()
+        self._module_hooks.clear()

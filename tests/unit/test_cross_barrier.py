@@ -1,0 +1,49 @@
+"""Cross-barrier DistributedOptimizer: the construction-time refusals (one process)."""
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from lightcc.common.exceptions import InvalidArgumentError  # noqa: E402
+from lightcc.torch import Compression, DistributedOptimizer  # noqa: E402
+from lightcc.torch.cross_barrier import check_optimizer  # noqa: E402
+
+
+NONE = Compression.none   # (the default reads LCC_COMPRESSION, which needs init())
+
+
+def _params():
+    return torch.nn.Linear(3, 2).parameters()
+
+
+@pytest.mark.parametrize("make", [
+    lambda: torch.optim.SGD(_params(), lr=0.1, momentum=0.9, nesterov=True),
+    lambda: torch.optim.AdamW(_params(), fused=True),
+    lambda: torch.optim.Adagrad(_params()),
+])
+def test_per_parameter_optimizers_are_accepted(make):
+    check_optimizer(make())
+
+
+def test_whole_model_optimizers_and_subclasses_are_refused():
+    class Clipping(torch.optim.SGD):
+        pass
+
+    for opt in (torch.optim.LBFGS(_params()), Clipping(_params(), lr=0.1)):
+        with pytest.raises(InvalidArgumentError, match="per parameter"):
+            check_optimizer(opt)
+
+
+def test_cross_barrier_needs_a_model_and_model_needs_cross_barrier():
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(InvalidArgumentError, match="needs model="):
+        DistributedOptimizer(opt, named_parameters=model.named_parameters(), compression=NONE,
+                             cross_barrier=True)
+    with pytest.raises(InvalidArgumentError, match="needs model="):
+        DistributedOptimizer(opt, named_parameters=model.named_parameters(), compression=NONE,
+                             cross_barrier=True, model=opt)
+    with pytest.raises(InvalidArgumentError, match="only used with cross_barrier=True"):
+        DistributedOptimizer(opt, named_parameters=model.named_parameters(), model=model,
+                             compression=NONE)
