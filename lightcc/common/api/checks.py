@@ -8,6 +8,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from .. import device, dtypes
+from ..algorithms import adasum
 from ..control.messages import SHARED_STREAM, Coll, Request
 from ..device import DeviceTensor
 from ..engine import Engine
