@@ -66,7 +66,7 @@ assert not prep.fits(np.empty((5, 3), np.float64))
 assert not prep.fits([[0.0] * 3] * 5)
 
 # the same errors as allreduce_async, raised at preparation
-bad = [dict(op=lcc.Adasum), dict(op="nope"), dict(name=7), dict(compression="zip"),
+bad = [dict(op="nope"), dict(name=7), dict(compression="zip"),
        dict(prescale_factor=0.5, op=lcc.BitwiseAnd), dict(op=lcc.BitwiseAnd),
        dict(process_set=api.ProcessSet([0]))]
 for kw in bad:
