@@ -246,16 +246,7 @@ class CrossBarrierOptimizer(_DistributedOptimizer):
         the waiting)."""
         for key in [k for k, (h, _) in self._handles.items() if h is None]:
             del self._handles[key]
-        begun = set()
-        for key in self._handles:
-            begun.update(key if isinstance(key, tuple) else (key,))
-        if self._groups is not None:
-            for group in self._group_counts:
-                if group[0] not in begun:
-                    self._handles[group] = self._submit_group(group)
-        else:
-            for p in [q for q in self._requires_update if q not in begun]:
-                self._handles[p] = self._submit(p)
+        self._submit_missing()
 
     def _reset_counts(self) -> None:
         if self.backward_passes_per_step != 1:

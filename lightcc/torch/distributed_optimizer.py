@@ -186,6 +186,19 @@ class _DistributedOptimizer(WrappedOptimizer):
             return
         handles[p] = self._submit(p)
 
+    def _submit_missing(self) -> None:
+        """Start the allreduces of the parameters (or groups) that no handle covers yet."""
+        begun = set()
+        for key in self._handles:
+            begun.update(key if isinstance(key, tuple) else (key,))
+        if self._groups is not None:  # a group is always reduced as a whole, zeros if absent
+            for group in self._group_counts:
+                if group[0] not in begun:
+                    self._handles[group] = self._submit_group(group)
+        else:
+            for p in [q for q in self._requires_update if q not in begun]:
+                self._handles[p] = self._submit(p)
+
     def synchronize(self) -> None:
         """Finish every gradient's allreduce (starting those not yet started) in place."""
         if not self.process_set.included():
@@ -201,16 +214,7 @@ class _DistributedOptimizer(WrappedOptimizer):
             for key in [k for k, (h, _) in self._handles.items() if h is None]:
                 del self._handles[key]
         if started < len(self._requires_update):     # some gradients never arrived
-            begun = set()
-            for key in self._handles:
-                begun.update(key if isinstance(key, tuple) else (key,))
-            if self._groups is not None:  # a group is always reduced as a whole, zeros if absent
-                for group in self._group_counts:
-                    if group[0] not in begun:
-                        self._handles[group] = self._submit_group(group)
-            else:
-                for p in [q for q in self._requires_update if q not in begun]:
-                    self._handles[p] = self._submit(p)
+            self._submit_missing()
         try:
             with torch_stream(self._gpu):   # CUDA results: torch's stream waits for them
                 for key, (handle, info) in self._handles.items():
