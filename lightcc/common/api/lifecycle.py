@@ -12,7 +12,7 @@ from .. import mca
 from ..control.messages import Coll, Request
 from ..engine import Engine
 from ..exceptions import InvalidArgumentError
-from . import state
+from . import exit_hook, state
 from .checks import _pset_id
 from .collectives import synchronize
 from .state import ProcessSet, _added_sets, _get, global_process_set
@@ -46,6 +46,7 @@ def init(comm: Any = None, process_sets: Sequence[ProcessSet] | None = None,
 
         _threads.configure(cfg.codec_threads, hostnames.count(hostnames[eng.rank]))
         _install_rank_prefix(eng.rank)
+        exit_hook.install(eng.size)
         mca.warn_if_too_late(cfg.num_links, eng.topo.num_nodes, eng.rank)
         _start_extras(eng, cfg)
         global_process_set.ranks = list(range(eng.size))

@@ -23,7 +23,7 @@ from ..tracing import NULL
 
 # re-exported: the door's bootstrap and thread-level calls live in mpi_runtime.py
 from .mpi_runtime import (_MPI_OPS, _MPI_TYPES, _OPS, _Req, _mpi, _mpi_op,  # noqa: F401
-                          agree_over, library_version, max_tag, thread_multiple, world_bcast,
+                          abort_world, agree_over, library_version, max_tag, thread_multiple, world_bcast,
                           world_rank_size)
 
 log = logging.getLogger("lightcc")
