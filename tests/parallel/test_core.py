@@ -77,6 +77,15 @@ def test_direct_path_of_small_unnamed_allreduces(np_, overlap):
     assert out.count("direct ok") == np_, out
 
 
+@pytest.mark.parametrize("np_", [2, 3])
+def test_persistent_allreduce_and_its_mpi3_fallback(np_):
+    """The direct path's persistent requests (MPI_Allreduce_init), the fallback for MPI
+    libraries without them, and 150 payload shapes through a 64-entry cache (NumPy refs)."""
+    out = run_mpi(np_, [W + "persistent.py"]).stdout
+    for what in ("persistent", "fallback", "shapes"):
+        assert out.count(f"OK {what}") == np_, out[-4000:]
+
+
 @pytest.mark.parametrize("np_,overlap,local", [(3, "0", "0"), (4, "1", "2")])
 def test_direct_and_engine_paths_interleaved_at_random(np_, overlap, local):
     out = run_mpi(np_, [W + "direct_mixed.py"], env={"LCC_OVERLAP": overlap,

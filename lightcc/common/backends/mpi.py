@@ -22,9 +22,9 @@ from ..exceptions import LightCCError
 from ..tracing import NULL
 
 # re-exported: the door's bootstrap and thread-level calls live in mpi_runtime.py
-from .mpi_runtime import (_MPI_OPS, _MPI_TYPES, _OPS, _Req, _mpi, _mpi_op,  # noqa: F401
-                          abort_world, agree_over, library_version, max_tag, thread_multiple, world_bcast,
-                          world_rank_size)
+from .mpi_runtime import (_MPI_OPS, _MPI_TYPES, _OPS, _Persistent, _Req, _Restartable,  # noqa: F401
+                          _mpi, _mpi_op, abort_world, agree_over, library_version, max_tag,
+                          thread_multiple, world_bcast, world_rank_size)
 
 log = logging.getLogger("lightcc")
 
@@ -130,6 +130,20 @@ class MPICommunicator:
         if recvbuf is None:
             return _Req(self.comm.Iallreduce(_mpi().IN_PLACE, [sendbuf, mtype], mop))
         return _Req(self.comm.Iallreduce([sendbuf, mtype], [recvbuf, mtype], mop))
+
+    def allreduce_init(self, sendbuf: np.ndarray, recvbuf: np.ndarray | None = None,
+                       op: str = "sum") -> _Persistent:
+        """A persistent allreduce of ``sendbuf`` into ``recvbuf`` (None: in place), started
+        with ``start()`` as often as needed (MPI-4 ``MPI_Allreduce_init``; collective: every
+        rank creates its matching request in the same order). Not counted in :attr:`stats`."""
+        mtype = self._mpi_type(sendbuf.dtype)
+        mop = _mpi_op(op)
+        send = _mpi().IN_PLACE if recvbuf is None else [sendbuf, mtype]
+        recv = [sendbuf if recvbuf is None else recvbuf, mtype]
+        try:
+            return _Persistent(self.comm.Allreduce_init(send, recv, mop))
+        except NotImplementedError:       # an MPI library older than MPI-4
+            return _Restartable(functools.partial(self.comm.Iallreduce, send, recv, mop))
 
     def allgather_object(self, obj: Any) -> list:
         """Every rank's small picklable ``obj``, in rank order."""

@@ -66,6 +66,39 @@ class _Req:
         return int(self._status.Get_count(_mpi().BYTE))
 
 
+class _Persistent:
+    """An MPI-4 persistent collective request: ``start()`` runs the same operation on the same
+    buffers again (no argument parsing, no new request object); ``test``/``wait`` as for
+    ``_Req``; ``free()`` once inactive."""
+
+    __slots__ = ("start", "test", "wait", "free")
+
+    def __init__(self, req: Any) -> None:
+        self.start, self.test, self.wait, self.free = req.Start, req.Test, req.Wait, req.Free
+
+
+class _Restartable:
+    """``_Persistent``'s interface over a nonblocking allreduce posted anew at each
+    ``start()``, for MPI libraries older than MPI-4 (no ``MPI_Allreduce_init``)."""
+
+    __slots__ = ("_post", "_req")
+
+    def __init__(self, post: Any) -> None:
+        self._post, self._req = post, None
+
+    def start(self) -> None:
+        self._req = self._post()
+
+    def test(self) -> bool:
+        return self._req.Test()
+
+    def wait(self) -> None:
+        self._req.Wait()
+
+    def free(self) -> None:
+        self._req = None
+
+
 def library_version() -> str:
     """The MPI library's version string (e.g. "Open MPI v5.0.8, ...")."""
     return _mpi().Get_library_version()

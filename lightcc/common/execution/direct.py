@@ -32,7 +32,10 @@ it never meets the engine's traffic), one call at a time:
    floats), plus a NaN mask for floating min/max, as the host strategy does; joined ranks add
    zeros. Scaling and averaging follow the host strategy (``Average`` divides by the set's size).
 
-Both are nonblocking and waited for alike: the request is tested in a loop for ~100 us, then
+Both are MPI-4 persistent requests, created once (the header's with the path; a payload
+shape's at the first call every member agreed on, so creations match in order; at most
+``_MAX_PAYLOADS`` shapes, the cache emptied at the same call everywhere) and started at each
+call. Both are waited for alike: the request is tested in a loop for ~100 us, then
 with sleeps growing to 0.5 ms (a rank waiting for a late one takes no core from it). A wait
 warns every ``LCC_STALL_CHECK_TIME`` seconds and raises :class:`StallError` after
 ``LCC_STALL_SHUTDOWN_TIME``; it raises :class:`ShutdownError` as soon as the engine learns that
@@ -81,7 +84,7 @@ class _Plan:
     """What one call signature needs, computed once: the header this rank sends, the sums
     that mean "every rank sent it", and the payload's reduction dtype and op."""
 
-    __slots__ = ("header", "agreed", "rdt", "op", "nan", "desc")
+    __slots__ = ("header", "agreed", "rdt", "op", "nan", "desc", "size")
 
     header: np.ndarray
     agreed: bytes
@@ -95,11 +98,27 @@ class _Plan:
         self.rdt = dtypes.reduce_dtype(dtype)
         self.op = bop = dtypes.backend_op(op, dtype)
         self.nan = dtype in dtypes.FLOATING and op in ("min", "max")
+        self.size = math.prod(shape)
         self.header = np.array([1, a, a * a, b, b * b, c, c * c,
                                 _REDUCE_DTYPES.index(self.rdt.name), _BACKEND_OPS.index(bop),
-                                math.prod(shape), int(self.nan), int(direct)], np.int64)
+                                self.size, int(self.nan), int(direct)], np.int64)
         self.agreed = (self.header * size).tobytes()     # the sums when every member sent it
         self.desc = _describe(sig)
+
+
+_MAX_PAYLOADS = 64       # payload shapes kept with a persistent request, per process set
+
+
+class _Payload:
+    """A payload shape's buffer (reduced in place) and persistent requests."""
+
+    __slots__ = ("buf", "req", "mask", "mask_req")
+
+    def __init__(self, comm: Any, rdt: np.dtype, n: int, op: str, nan: bool) -> None:
+        self.buf = np.zeros(n, rdt)
+        self.req = comm.allreduce_init(self.buf, None, op)
+        self.mask = np.zeros(n, np.uint8) if nan else None
+        self.mask_req = comm.allreduce_init(self.mask, None, "max") if nan else None
 
 
 class DirectPath:
@@ -107,7 +126,7 @@ class DirectPath:
 
     def __init__(self, comm: Any, ranks: tuple[int, ...], stall_check: float,
                  stall_shutdown: float) -> None:
-        self.comm = comm                 # a Communicator (with iallreduce), this path's alone
+        self.comm = comm                 # an MPICommunicator (allreduce_init), this path's alone
         self.ranks = ranks               # the set's members (global ranks), in set order
         self.size = len(ranks)
         self.stall_check = stall_check
@@ -119,6 +138,12 @@ class DirectPath:
         self._plans: dict[tuple, _Plan] = {}
         self._zeros = np.zeros(_HEADER, np.int64)
         self._total = np.zeros(_HEADER, np.int64)
+        # persistent requests (MPI-4): one for every header, one per payload shape; every
+        # member creates them at the same calls (the header's at construction, a payload's
+        # at the first call that agreed on it), so they match in order
+        self._sent = np.zeros(_HEADER, np.int64)
+        self._header_req = comm.allreduce_init(self._sent, self._total, "sum")
+        self._payloads: dict[tuple, _Payload] = {}
 
     # -- the call ------------------------------------------------------------------------------
     def allreduce(self, arr: Any, op: str, dtype: str, pre: float, post: float,
@@ -142,15 +167,16 @@ class DirectPath:
             if not direct:
                 return None
             self.reduced += 1
-            buf = np.array(arr, dtype=plan.rdt, order="C", copy=True).reshape(-1)
+            pay = self._payload_for(plan.rdt, plan.size, plan.op, plan.nan)
+            buf = pay.buf
+            np.copyto(buf.reshape(arr.shape), arr, casting="unsafe")
             prescale(buf, dtype, pre)
-            self._payload(buf, plan.op, plan.nan, engine, plan)
-        finish_scaling(buf, op, dtype, self.size, post)
-        result = buf.reshape(arr.shape)
-        if out is None:
-            target = dtypes.SUPPORTED[dtype]
-            return result if result.dtype == target else result.astype(target)
-        np.copyto(out, result, casting="unsafe")
+            self._payload(pay, engine, plan)
+            finish_scaling(buf, op, dtype, self.size, post)
+            result = buf.reshape(arr.shape)
+            if out is None:       # buf is the persistent request's: hand out a copy
+                return result.astype(dtypes.SUPPORTED[dtype], copy=True)
+            np.copyto(out, result, casting="unsafe")
         return out
 
     def serve_join(self, engine: Any, join_handle: Any) -> None:
@@ -169,16 +195,39 @@ class DirectPath:
                     continue
                 if not total[11]:
                     continue          # the call goes through the engine, which adds our zeros
-                rdt = np.dtype(_REDUCE_DTYPES[int(total[7]) // m])
-                buf = np.zeros(int(total[9]) // m, rdt)
-                self._payload(buf, _BACKEND_OPS[int(total[8]) // m], bool(total[10]), engine,
-                              None)
+                pay = self._payload_for(np.dtype(_REDUCE_DTYPES[int(total[7]) // m]),
+                                        int(total[9]) // m, _BACKEND_OPS[int(total[8]) // m],
+                                        bool(total[10]))
+                pay.buf.fill(0)
+                self._payload(pay, engine, None)
 
     def free(self) -> None:
-        """Free the communicator (collective); not after an error left a request posted."""
+        """Free the requests and the communicator (collective); not after an error left a
+        request posted."""
         if self.closed is None and self.comm is not None:
+            self._free_payloads()
+            self._header_req.free()
             self.comm.free()
         self.comm = None
+
+    def _free_payloads(self) -> None:
+        for pay in self._payloads.values():
+            pay.req.free()
+            if pay.mask_req is not None:
+                pay.mask_req.free()
+        self._payloads.clear()
+
+    def _payload_for(self, rdt: np.dtype, n: int, op: str, nan: bool) -> "_Payload":
+        """The persistent payload request of this shape, created on first use: every member
+        gets here at the same call (the header agreed), so creations match in order; the
+        cache is emptied at the same call everywhere when it is full."""
+        key = (rdt, n, op, nan)
+        pay = self._payloads.get(key)
+        if pay is None:
+            if len(self._payloads) >= _MAX_PAYLOADS:
+                self._free_payloads()
+            pay = self._payloads[key] = _Payload(self.comm, rdt, n, op, nan)
+        return pay
 
     # -- pieces --------------------------------------------------------------------------------
     def _what(self, plan: _Plan | None) -> str:
@@ -206,11 +255,12 @@ class DirectPath:
 
     def _exchange_header(self, header: np.ndarray, engine: Any, plan: _Plan | None,
                          joined: bool, join_handle: Any = None) -> np.ndarray:
-        total = self._total
-        req = self.comm.iallreduce(header, total, "sum")
+        self._sent[:] = header
+        req = self._header_req
+        req.start()
         self._wait(req, engine, plan, not joined, join_handle, "a rank of the process set never "
                    "made its matching call, or gave up on it after a StallError")
-        return total
+        return self._total
 
     def _wait(self, req: Any, engine: Any, plan: _Plan | None, stall: bool, join_handle: Any,
               missing: str) -> None:
@@ -263,20 +313,19 @@ class DirectPath:
         self.closed = exc
         raise exc
 
-    def _payload(self, buf: np.ndarray, op: str, nan: bool, engine: Any,
-                 plan: _Plan | None) -> None:
-        """Every member passed the header, so all post this at once; it still waits with
+    def _payload(self, pay: "_Payload", engine: Any, plan: _Plan | None) -> None:
+        """Every member passed the header, so all start this at once; it still waits with
         a stall limit, for the member whose header was one it gave up on (a StallError)."""
         gave_up = "a rank gave up on this call (StallError) just after the others matched it"
-        mask = None
-        if nan:       # as the engine's strategies (shared.needs_nan_mask)
-            mask = nan_mask(buf)
-            self._wait(self.comm.iallreduce(mask, None, "max"), engine, plan, True, None,
-                       gave_up)
-        if buf.size:
-            self._wait(self.comm.iallreduce(buf, None, op), engine, plan, True, None, gave_up)
-        if mask is not None:
-            restore_nans(buf, mask)
+        if pay.mask_req is not None:     # as the engine's strategies (shared.needs_nan_mask)
+            np.copyto(pay.mask, nan_mask(pay.buf))
+            pay.mask_req.start()
+            self._wait(pay.mask_req, engine, plan, True, None, gave_up)
+        if pay.buf.size:
+            pay.req.start()
+            self._wait(pay.req, engine, plan, True, None, gave_up)
+        if pay.mask_req is not None:
+            restore_nans(pay.buf, pay.mask)
 
     def _mismatch(self, what: str, mine: str | None) -> None:
         """Every rank saw the disagreement in the same sums: all gather the descriptions."""
