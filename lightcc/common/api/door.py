@@ -3,6 +3,7 @@ submitted many times), compressor state, and process-set queries, so an adapter 
 into the engine."""
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 from ..control.messages import Coll, Request
@@ -17,19 +18,22 @@ from .state import _get
 class Prepared:
     """An allreduce validated once by :func:`prepare_allreduce`, submitted many times.
 
-    :meth:`submit` queues the same request again without checking anything: the array (and
+    ``submit`` queues the same request again without checking anything: the array (and
     ``out``) must have the prepared shape, dtype and memory kind (host or GPU), which
     :meth:`fits` tells, together with whether the runtime it was prepared on still runs (not
     after ``shutdown()``, a re-``init()`` or the removal of its process set).
     """
 
-    __slots__ = ("_engine", "_request", "_stream", "_label", "_shape", "_dtype", "_kind")
+    __slots__ = ("_engine", "_request", "_shape", "_dtype", "_kind", "submit")
 
     def __init__(self, eng: Engine, request: Request, stream: int | None, label: str | None,
                  arr: Any) -> None:
         self._engine, self._request = eng, request
-        self._stream, self._label = stream, label
         self._shape, self._dtype, self._kind = tuple(arr.shape), arr.dtype, type(arr)
+        #: ``submit(array, out=None, *, wake=True) -> Handle``: queue the prepared allreduce of
+        #: ``array`` (result in ``out`` when given). It is ``Engine.submit`` with the request
+        #: bound, so a gradient's hot path has no frame of its own here.
+        self.submit = functools.partial(eng.submit, request, stream=stream, label=label)
 
     @property
     def name(self) -> str:
@@ -41,11 +45,6 @@ class Prepared:
         eng = self._engine
         return (eng is state._engine and type(array) is self._kind and array.shape == self._shape
                 and array.dtype == self._dtype and self._request.pset in eng.groups)
-
-    def submit(self, array: Any, out: Any = None, *, wake: bool = True) -> Handle:
-        """Queue the prepared allreduce of ``array`` (result in ``out`` when given)."""
-        return self._engine.submit(self._request, array, out, wake=wake, stream=self._stream,
-                                   label=self._label)
 
     def __repr__(self) -> str:
         return f"<Prepared {self._request.describe()} {self._shape} {self._dtype}>"
