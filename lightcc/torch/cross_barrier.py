@@ -120,6 +120,10 @@ class CrossBarrierOptimizer(_DistributedOptimizer):
                 self._claimed.difference_update(self._plan[module])
             else:
                 self._plan[up] = list(dict.fromkeys(self._plan[up] + self._plan[module]))
+                first = min((self._priority[p] for p in self._plan[up] if p in self._priority),
+                            default=0)
+                for p in self._plan[module]:     # needed when ``up`` starts
+                    self._priority.setdefault(p, first)
         self._called.clear()
 
     def _make_pre_hook(self, module: torch.nn.Module) -> Any:
@@ -128,6 +132,8 @@ class CrossBarrierOptimizer(_DistributedOptimizer):
         def pre_forward(mod: Any, args: Any) -> None:
             if self._learning:
                 called.add(mod)
+                for p in plan[mod]:        # forward order: the next forward's needs go first
+                    self._priority.setdefault(p, len(self._priority) + 1)
             if self._pending:
                 pending = self._pending
                 self._apply([p for p in plan[mod] if p in pending])

@@ -53,6 +53,9 @@ class _DistributedOptimizer(WrappedOptimizer):
         self._allreduce_delay = {p: backward_passes_per_step for p in self._parameter_names}
         self._handles: dict[Any, tuple[Any, Any]] = {}
         self._prepared: dict = {}            # parameter -> its Prepared allreduce
+        self._prepared_priority: dict = {}   # parameter -> the priority it was prepared with
+        #: parameter -> its allreduce's priority (cross-barrier mode: forward order; empty: none)
+        self._priority: dict = {}
         self._requires_update: dict = {}     # parameter -> None, in registration order
         self._hook_handles: list = []
         self._synchronized = False
@@ -125,11 +128,14 @@ class _DistributedOptimizer(WrappedOptimizer):
             arr = device_array(grad, ready=True)
             self._gpu = grad.device
         prepared = self._prepared.get(p)
-        if prepared is None or not prepared.fits(arr):   # first step, or a new runtime/shape
+        priority = self._priority.get(p, 0) if self._priority else 0
+        if prepared is None or not prepared.fits(arr) or \
+                self._prepared_priority.get(p, 0) != priority:   # first step, new runtime/shape
             pre, post = self._scales()
             prepared = self._prepared[p] = _api.prepare_allreduce(
                 arr, self.op, self._parameter_names[p], pre, post, self.process_set,
-                self._compression)
+                self._compression, priority=priority)
+            self._prepared_priority[p] = priority
         return prepared.submit(arr, arr)
 
     def _submit_group(self, group: tuple) -> tuple[Any, Any]:

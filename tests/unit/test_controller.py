@@ -59,6 +59,7 @@ def test_order_follows_readiness_not_submission():
     ("prescale", 2.0, "rank 1 has prescale factor 2.0, rank 0 has 1.0"),
     ("postscale", 0.5, "rank 1 has postscale factor 0.5, rank 0 has 1.0"),
     ("compression", "fp16", "rank 1 has compression fp16, rank 0 has none"),
+    ("priority", 3, "rank 1 has priority 3, rank 0 has 0"),
 ])
 def test_mismatch_errors_name_tensor_ranks_and_difference(field, value, text):
     coord, _ = make()
@@ -129,6 +130,56 @@ def test_cache_ids_replace_requests_in_steady_state():
     assert coord.tick().items == [0]
     # a changed shape misses the cache and is validated again
     assert worker.lookup(ar("a", shape=(8,))) == -1
+
+
+def names(batch) -> list[str]:
+    return [r.request.name for r in batch.items]
+
+
+def test_priority_orders_a_batch_and_unprioritized_requests_go_first():
+    """Cross-barrier mode: the coordinator sends ready allreduces in ascending priority (the
+    next forward's order), whatever order they completed in; one decision for every rank."""
+    coord, _ = make()
+    reqs = [ar("l3", priority=3), ar("plain"), ar("l1", priority=1), ar("l2", priority=2)]
+    for rank in (0, 1):
+        submit(coord, rank, *reqs)
+    assert names(coord.tick()) == ["plain", "l1", "l2", "l3"]
+
+
+def test_priority_window_holds_the_rest_and_a_later_higher_priority_overtakes():
+    """At most PRIORITY_WINDOW_BYTES of prioritized allreduces per batch (at least one): what
+    is held goes next tick, behind a higher-priority request that completed meanwhile."""
+    from lightcc.common.control import controller
+    per = controller.PRIORITY_WINDOW_BYTES // 4 // 2 + 1     # float32: two fit, not three
+    coord, _ = make(threshold=1 << 30)
+    big = [ar(f"l{i}", shape=(per,), priority=i) for i in (5, 6, 7)]
+    for rank in (0, 1):
+        submit(coord, rank, *big)
+    assert names(coord.tick()) == ["l5"]
+    assert coord.next_deadline() == 0.0                  # the held ones go at once
+    for rank in (0, 1):
+        submit(coord, rank, ar("l1", priority=1))
+    assert names(coord.tick()) == ["l1", "l6"]
+    assert names(coord.tick()) == ["l7"]
+    assert coord.tick() is None and not coord.pending
+    huge = ar("huge", shape=(4 * per,), priority=2)        # larger than the window: alone
+    for rank in (0, 1):
+        submit(coord, rank, huge)
+    assert names(coord.tick()) == ["huge"]
+
+
+def test_priority_orders_cache_ids_in_steady_state():
+    coord, _ = make()
+    worker = ResponseCache(16)
+    reqs = [ar("b", priority=2), ar("a", priority=1)]
+    for rank in (0, 1):
+        submit(coord, rank, *reqs)
+    for resp in coord.tick().items:
+        worker.add(resp, 1)
+    ids = [worker.lookup(r) for r in reqs]          # b, a
+    for rank in (0, 1):
+        submit(coord, rank, cached=ids)
+    assert coord.tick().items == ids[::-1]
 
 
 def test_cached_and_new_request_mismatch_detected():

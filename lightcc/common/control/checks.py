@@ -51,7 +51,8 @@ def validate(members: tuple[int, ...], reqs: dict[int, Request],
               ("prescale factor", lambda q: q.prescale, str),
               ("postscale factor", lambda q: q.postscale, str),
               ("compression", lambda q: q.compression, str),
-              ("memory", lambda q: "GPU" if q.device else "host", str)]
+              ("memory", lambda q: "GPU" if q.device else "host", str),
+              ("priority", lambda q: q.priority, str)]
     if ref.coll in (Coll.ALLREDUCE, Coll.BROADCAST, Coll.REDUCESCATTER):
         checks.append(("shape", lambda q: q.shape, _shape))
     if ref.coll in (Coll.ALLGATHER, Coll.ALLTOALL):

@@ -60,6 +60,9 @@ class Request(NamedTuple):
     compression: str = "none"
     pset: int = 0
     device: bool = False          # the tensor lives in GPU memory (never fused with host ones)
+    #: 0: none. 1, 2, ...: the coordinator sends ready allreduces with a priority in ascending
+    #: order, at most PRIORITY_WINDOW_BYTES per batch (cross-barrier mode: forward order).
+    priority: int = 0
 
     @property
     def key(self) -> tuple[int, int, str]:

@@ -179,6 +179,34 @@ def compiled_model_matches_barrier() -> None:
     check(all(torch.equal(a, b) for a, b in zip(*runs)), "compiled: cross-barrier != barrier")
 
 
+def priority_follows_forward_order() -> None:
+    """The first forward numbers the parameters in the order modules are called (the next
+    forward's needs first); the allreduces of backward carry those priorities."""
+    model = make_model()
+    opt = wrap(model, "p", True)
+    x, y = batch(0)
+    F.cross_entropy(model(x), y).backward()
+    expect = {p: i + 1 for i, p in enumerate(model.parameters())}   # Linear 0, then Linear 2
+    check(opt._priority == expect, f"priorities {list(opt._priority.values())}")
+    check(opt._prepared_priority == expect, "prepared allreduces carry the priorities")
+    opt.step()
+    opt.synchronize()
+
+
+def priority_mismatch_fails_on_every_rank() -> None:
+    """Ranks that disagree on an allreduce's priority (a model whose forward order differs
+    between ranks) get the mismatch error on every rank, not a hang or different orders."""
+    model = make_model()
+    opt = wrap(model, "q", True)
+    x, y = batch(0)
+    out = model(x)
+    if R == 1:
+        opt._priority = {p: v + 10 for p, v in opt._priority.items()}
+    F.cross_entropy(out, y).backward()
+    opt.step()
+    raises(Exception, opt.synchronize, "priority mismatch", match="has priority")
+
+
 def main() -> None:
     global R, N
     hvd.init()
@@ -186,7 +214,8 @@ def main() -> None:
     run([refuses_without_model, refuses_whole_model_optimizers, refuses_closure,
          parent_reading_child_weights_matches_barrier, stale_read_is_an_error,
          zero_grad_keeps_reducing_gradients,
-         attention_reads_child_weights, compiled_model_matches_barrier])
+         attention_reads_child_weights, compiled_model_matches_barrier,
+         priority_follows_forward_order, priority_mismatch_fails_on_every_rank])
     hvd.shutdown()
 
 
