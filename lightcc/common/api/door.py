@@ -53,13 +53,16 @@ class Prepared:
 def prepare_allreduce(array: Any, op: str | None = None, name: str | None = None,
                       prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                       process_set: Any = None, compression: Any = None, *,
-                      ordered: bool = False) -> Prepared:
+                      ordered: bool = False, priority: int = 0) -> Prepared:
     """Validate an allreduce of ``array`` once (the errors of :func:`allreduce_async`) for
     repeated :meth:`Prepared.submit` calls: a gradient reduced every step pays for the checks at
     the first step only. ``array`` fixes the shape, dtype and memory kind; its values are not
-    used here."""
+    used here. ``priority`` (0: none; 1 goes first): see ``Request.priority``; every rank
+    must give the same, or the allreduce fails on every rank."""
     call, req, what = _allreduce_request(array, op, name, prescale_factor, postscale_factor,
                                          process_set, compression, ordered)
+    if priority:
+        req = req._replace(priority=int(priority))
     if type(call.arr) is DeviceTensor:
         req, _ = _on_device(req, call.arr, None, what)
     return Prepared(call.eng, req, call.stream, call.label, call.arr)
