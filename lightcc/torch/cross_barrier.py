@@ -31,6 +31,13 @@ PER_PARAMETER = ("SGD", "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "RMSprop", 
                  "Adagrad", "Adadelta", "ASGD", "SparseAdam")
 
 
+#: Gradients larger than this (bytes, before compression) are reduced in pieces of at most this
+#: size (uncompressed, fp16, bf16: per-element results, so bitwise the same), so that with the
+#: coordinator's credit window (``control.controller.PRIORITY_WINDOW_BYTES``) a gradient the
+#: next forward needs first waits behind at most a window, not behind a 25 MB tensor.
+PARTITION_BYTES = 1 << 20
+
+
 def check_optimizer(optimizer: torch.optim.Optimizer) -> None:
     """Refuse optimizers whose update of one parameter may read the others (LBFGS, Muon, any
     class that is not one of torch's per-parameter optimizers, subclasses included: their
@@ -78,6 +85,7 @@ class CrossBarrierOptimizer(_DistributedOptimizer):
                  *args: Any) -> None:
         check_optimizer(optimizer)
         super().__init__(optimizer, *args)
+        self._partition_bytes = PARTITION_BYTES
         self._pending: dict = {}              # parameter -> _Pending
         self._module_hooks: list = []
         self._plan: dict = {}                 # module -> parameters its pre-hook applies

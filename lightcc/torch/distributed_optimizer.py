@@ -19,6 +19,7 @@ import contextlib
 import warnings
 from typing import Any, Iterator
 
+import numpy as np
 import torch
 
 from ..common import api as _api
@@ -31,6 +32,20 @@ from .optimizer_setup import WrappedOptimizer, parameter_names, split_groups
 
 _STATE_KEY = "lightcc_compression"     # compressor state inside state_dict()
 _IN_PLACE = object()                   # handle info: reduced in the gradient's own memory
+_ELEMENTWISE = ("none", "fp16", "bf16")  # compressions whose result is per element
+
+
+class _Pieces:
+    """The handles of one gradient reduced in pieces (:meth:`_DistributedOptimizer._pieces`)."""
+
+    __slots__ = ("handles",)
+
+    def __init__(self, handles: list) -> None:
+        self.handles = handles
+
+    def wait(self) -> None:
+        for h in self.handles:
+            h.wait()
 
 
 class _DistributedOptimizer(WrappedOptimizer):
@@ -54,6 +69,7 @@ class _DistributedOptimizer(WrappedOptimizer):
         self._handles: dict[Any, tuple[Any, Any]] = {}
         self._prepared: dict = {}            # parameter -> its Prepared allreduce
         self._prepared_priority: dict = {}   # parameter -> the priority it was prepared with
+        self._partition_bytes = 0            # >0: larger gradients go in pieces (cross-barrier)
         #: parameter -> its allreduce's priority (cross-barrier mode: forward order; empty: none)
         self._priority: dict = {}
         self._requires_update: dict = {}     # parameter -> None, in registration order
@@ -129,14 +145,34 @@ class _DistributedOptimizer(WrappedOptimizer):
             self._gpu = grad.device
         prepared = self._prepared.get(p)
         priority = self._priority.get(p, 0) if self._priority else 0
-        if prepared is None or not prepared.fits(arr) or \
+        pieces = self._pieces(arr)
+        if prepared is None or len(prepared) != len(pieces) or \
+                not prepared[0].fits(pieces[0]) or \
                 self._prepared_priority.get(p, 0) != priority:   # first step, new runtime/shape
             pre, post = self._scales()
-            prepared = self._prepared[p] = _api.prepare_allreduce(
-                arr, self.op, self._parameter_names[p], pre, post, self.process_set,
-                self._compression, priority=priority)
+            name = self._parameter_names[p]
+            prepared = self._prepared[p] = [
+                _api.prepare_allreduce(piece, self.op, name if len(pieces) == 1 else
+                                       f"{name}#{i}", pre, post, self.process_set,
+                                       self._compression, priority=priority)
+                for i, piece in enumerate(pieces)]
             self._prepared_priority[p] = priority
-        return prepared.submit(arr, arr)
+        if len(pieces) == 1:
+            return prepared[0].submit(arr, arr)
+        return _Pieces([prep.submit(piece, piece) for prep, piece in zip(prepared, pieces)])
+
+    def _pieces(self, arr: Any) -> list:
+        """``arr`` cut into allreduces of at most ``_partition_bytes`` (cross-barrier mode:
+        a high-priority tensor then waits behind at most a piece; views, reduced in place),
+        or ``[arr]``. Only where the result of an element does not depend on its neighbours
+        (no compression, fp16, bf16), so the pieces' results equal the whole tensor's."""
+        limit = self._partition_bytes
+        if not limit or arr.nbytes <= limit or self._spec not in _ELEMENTWISE or \
+                not isinstance(arr, np.ndarray):
+            return [arr]
+        flat = arr.reshape(-1)
+        step = max(1, limit // arr.itemsize)
+        return [flat[i:i + step] for i in range(0, flat.size, step)]
 
     def _submit_group(self, group: tuple) -> tuple[Any, Any]:
         for p in group:

@@ -68,6 +68,18 @@ def test_bitwise_equal_to_barrier_mode_3_ranks(tmp_path):
 
 
 @pytest.mark.timeout(900)
+@pytest.mark.parametrize("np_,which", [(2, "exact"), (3, "core")])
+def test_partitioned_gradients_bitwise_equal_to_barrier_mode(tmp_path, np_, which):
+    """Cross-barrier mode with every gradient over 60 bytes cut into pieces (uncompressed,
+    fp16, bf16 are cut; fp8/TopK are not): the same bits as barrier mode, whole tensors, and
+    (uncompressed) single-process torch within 1e-6."""
+    env = {"XBAR_PARTITION": "60"}
+    if np_ == 3:
+        env["LCC_FUSION_THRESHOLD"] = "0"
+    _compare(np_, which, tmp_path, env)
+
+
+@pytest.mark.timeout(900)
 def test_bitwise_equal_to_barrier_mode_4_ranks_2_nodes(tmp_path):
     """As the 3-rank test, on 2 simulated nodes of 2 ranks (LCC_LOCAL_SIZE=2)."""
     _compare(4, "core", tmp_path, {"LCC_FUSION_THRESHOLD": "0", "LCC_LOCAL_SIZE": "2"})

@@ -47,3 +47,26 @@ def test_cross_barrier_needs_a_model_and_model_needs_cross_barrier():
     with pytest.raises(InvalidArgumentError, match="only used with cross_barrier=True"):
         DistributedOptimizer(opt, named_parameters=model.named_parameters(), model=model,
                              compression=NONE)
+
+
+@pytest.mark.parametrize("spec,numel,limit,pieces", [
+    ("none", 100, 60, 7), ("fp16", 100, 60, 7), ("bf16", 15, 60, 1), ("none", 100, 0, 1),
+    ("topk:0.01", 100, 60, 1), ("fp8", 100, 60, 1)])
+def test_gradients_are_cut_into_views_only_for_elementwise_compression(spec, numel, limit,
+                                                                         pieces):
+    """Cross-barrier partitioning: pieces of at most ``limit`` bytes that are views covering
+    the gradient exactly once, in order; never for compressors whose result depends on more
+    than one element (TopK's k, fp8's scales) or with partitioning off."""
+    import types
+
+    import numpy as np
+
+    from lightcc.torch.distributed_optimizer import _DistributedOptimizer
+    arr = np.arange(numel, dtype=np.float32).reshape(-1, 5)
+    got = _DistributedOptimizer._pieces(
+        types.SimpleNamespace(_partition_bytes=limit, _spec=spec), arr)
+    assert len(got) == pieces
+    assert all(np.shares_memory(g, arr) for g in got)
+    assert all(g.nbytes <= limit for g in got) or pieces == 1
+    np.testing.assert_array_equal(np.concatenate([g.reshape(-1) for g in got]),
+                                  np.arange(numel, dtype=np.float32))

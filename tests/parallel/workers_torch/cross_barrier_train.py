@@ -16,6 +16,7 @@ called twice, a parameter shared by two modules, a no_grad eval forward every 5 
 """
 from __future__ import annotations
 
+import os
 import sys
 
 import torch
@@ -27,6 +28,9 @@ import lightcc.torch as hvd
 
 STEPS, ADD = 20, 10
 MODE, SET, OUT = sys.argv[1], sys.argv[2], sys.argv[3]
+if os.environ.get("XBAR_PARTITION"):     # cross-barrier mode cuts gradients into tiny pieces
+    import lightcc.torch.cross_barrier as _xb
+    _xb.PARTITION_BYTES = int(os.environ["XBAR_PARTITION"])
 R = N = 0
 RESULTS: dict = {}
 
