@@ -32,9 +32,9 @@ PER_PARAMETER = ("SGD", "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "RMSprop", 
 
 
 #: Gradients larger than this (bytes, before compression) are reduced in pieces of at most this
-#: size (uncompressed, fp16, bf16: per-element results, so bitwise the same), so that with the
-#: coordinator's credit window (``control.controller.PRIORITY_WINDOW_BYTES``) a gradient the
-#: next forward needs first waits behind at most a window, not behind a 25 MB tensor.
+#: size (uncompressed, fp16, bf16: per-element results, so bitwise the same), so that a
+#: gradient the next forward needs first, completed while rank 0 executes a batch, is ordered
+#: before the rest in the next batch instead of waiting behind a 25 MB tensor.
 PARTITION_BYTES = 1 << 20
 
 

@@ -45,10 +45,13 @@ from .negotiation import bits, members_in
 from .outcomes import SCAN_PERIOD_S, Outcomes  # noqa: F401
 
 #: Bytes of prioritized allreduces (``Request.priority``) one batch carries at most (at least
-#: one request): the credit window. Rank 0 makes the next batch after executing this one, so
-#: a request that completes meanwhile with a higher priority waits behind at most this many
-#: bytes (~17 ms at 1 Gbit) instead of behind everything completed before it.
-PRIORITY_WINDOW_BYTES = 2 << 20
+#: one request; 0: no limit). Rank 0 makes the next batch after executing this one, so what
+#: completes meanwhile with a higher priority overtakes what was held. Off: even without it,
+#: what completes while rank 0 executes a batch is ordered in the next one, and each extra
+#: batch costs a control round and a wake-up on every rank: resmlp fp16 at 1 Gbit (2 simulated
+#: hosts, load 8-11) ran at 0.59-0.72x barrier mode with 2 MB, 0.97-1.03x with 16 MB and
+#: 1.15-1.16x without a limit (docs/cross-barrier.md).
+PRIORITY_WINDOW_BYTES = 0
 
 
 class Coordinator(Outcomes):
@@ -362,8 +365,8 @@ class Coordinator(Outcomes):
     def _by_priority(self, ready: dict) -> list:
         """What of ``ready`` goes in this batch, in order: requests without a priority in
         completion order, then those with one in ascending priority (ties: completion order),
-        at most :data:`PRIORITY_WINDOW_BYTES` of them (at least one). The rest stays ready for
-        the next batch, which rank 0 makes after executing this one, so a higher-priority
+        at most :data:`PRIORITY_WINDOW_BYTES` of them when it is set (at least one). The rest
+        stays ready for the next batch, which rank 0 makes after executing this one, so a higher-priority
         request completed meanwhile overtakes it (decided here, once, for every rank)."""
         plain, ranked = [], []
         for key, payload in ready.items():
@@ -375,9 +378,9 @@ class Coordinator(Outcomes):
         if not ranked:
             return plain
         ranked.sort(key=lambda t: t[:2])
-        sent = 0
+        sent, window = 0, PRIORITY_WINDOW_BYTES
         for i, (_, _, key, payload, req) in enumerate(ranked):
-            if i and sent + req.nbytes > PRIORITY_WINDOW_BYTES:
+            if i and window and sent + req.nbytes > window:
                 for _, _, k, p, r in ranked[i:]:      # held: still ready, flushed next tick
                     self._push(k, p, r)
                 self._ready_urgent = True
