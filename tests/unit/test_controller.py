@@ -149,9 +149,9 @@ def test_priority_orders_a_batch_and_unprioritized_requests_go_first():
 def test_priority_window_holds_the_rest_and_a_later_higher_priority_overtakes(monkeypatch):
     """At most PRIORITY_WINDOW_BYTES (when set) of prioritized allreduces per batch (at least
     one): what is held goes next tick, behind a higher-priority request completed meanwhile."""
-    from lightcc.common.control import controller
-    monkeypatch.setattr(controller, "PRIORITY_WINDOW_BYTES", 1 << 20)
-    per = controller.PRIORITY_WINDOW_BYTES // 4 // 2 + 1     # float32: two fit, not three
+    from lightcc.common.control import outcomes
+    monkeypatch.setattr(outcomes, "PRIORITY_WINDOW_BYTES", 1 << 20)
+    per = outcomes.PRIORITY_WINDOW_BYTES // 4 // 2 + 1     # float32: two fit, not three
     coord, _ = make(threshold=1 << 30)
     big = [ar(f"l{i}", shape=(per,), priority=i) for i in (5, 6, 7)]
     for rank in (0, 1):

@@ -44,15 +44,6 @@ from .messages import ORDERED, Batch, Coll, OrderedItem, RankMessage, Report, Re
 from .negotiation import bits, members_in
 from .outcomes import SCAN_PERIOD_S, Outcomes  # noqa: F401
 
-#: Bytes of prioritized allreduces (``Request.priority``) one batch carries at most (at least
-#: one request; 0: no limit). Rank 0 makes the next batch after executing this one, so what
-#: completes meanwhile with a higher priority overtakes what was held. Off: even without it,
-#: what completes while rank 0 executes a batch is ordered in the next one, and each extra
-#: batch costs a control round and a wake-up on every rank: resmlp fp16 at 1 Gbit (2 simulated
-#: hosts, load 8-11) ran at 0.59-0.72x barrier mode with 2 MB, 0.97-1.03x with 16 MB and
-#: 1.15-1.16x without a limit (docs/cross-barrier.md).
-PRIORITY_WINDOW_BYTES = 0
-
 
 class Coordinator(Outcomes):
     """Rank 0's decision maker (see module docstring). Times are seconds."""
@@ -354,40 +345,6 @@ class Coordinator(Outcomes):
                     named.append(cid)
         self._undemoted.clear()
         return tuple(named), tuple(ordered)
-
-    def _request_of(self, payload: Any) -> Request | None:
-        if type(payload) is int:
-            return self.cache.get(payload).request
-        if isinstance(payload, _Pending):
-            return next(iter(payload.reqs.values()))
-        return None                         # an ordered position: never held back
-
-    def _by_priority(self, ready: dict) -> list:
-        """What of ``ready`` goes in this batch, in order: requests without a priority in
-        completion order, then those with one in ascending priority (ties: completion order),
-        at most :data:`PRIORITY_WINDOW_BYTES` of them when it is set (at least one). The rest
-        stays ready for the next batch, which rank 0 makes after executing this one, so a higher-priority
-        request completed meanwhile overtakes it (decided here, once, for every rank)."""
-        plain, ranked = [], []
-        for key, payload in ready.items():
-            req = self._request_of(payload)
-            if req is None or not req.priority:
-                plain.append((key, payload))
-            else:
-                ranked.append((req.priority, len(ranked), key, payload, req))
-        if not ranked:
-            return plain
-        ranked.sort(key=lambda t: t[:2])
-        sent, window = 0, PRIORITY_WINDOW_BYTES
-        for i, (_, _, key, payload, req) in enumerate(ranked):
-            if i and window and sent + req.nbytes > window:
-                for _, _, k, p, r in ranked[i:]:      # held: still ready, flushed next tick
-                    self._push(k, p, r)
-                self._ready_urgent = True
-                break
-            sent += req.nbytes
-            plain.append((key, payload))
-        return plain
 
     def _must_flush(self, now: float) -> bool:
         return (self._ready_urgent or now - self._ready_since >= self.cycle_time
