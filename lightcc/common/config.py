@@ -155,6 +155,12 @@ KNOBS: tuple[Knob, ...] = (
          "mpirun; under plain mpirun, import lightcc and init() set OMPI_MCA_btl_tcp_links to "
          "it while MPI has not started and the variable is unset (init() warns when MPI "
          "started first on a multi-host job).", _min(1)),
+    Knob("mpi_idle_sleep_us", "LCC_MPI_IDLE_SLEEP_US", _parse_int, 50, "us",
+         "How an MPI wait idles: a turn of Open MPI's progress loop that found nothing to do "
+         "sleeps this long (sets OMPI_MCA_mpi_yield_when_idle=1, "
+         "threads_pthreads_yield_strategy=nanosleep and its nanosleep_time, the same way as "
+         "btl_tcp_links), so waiting for a peer or the wire does not burn a core. 0 = Open "
+         "MPI's spinning wait.", _min(0)),
     Knob("overlap", "LCC_OVERLAP", lambda t: t.strip().lower(), "auto", "",
          "When collectives start: 1 = in the background as soon as submitted (overlaps "
          "communication with compute); 0 = when a thread waits for them (lazy); auto = lazy "
@@ -223,6 +229,7 @@ class Config:
     ring_chunk_bytes: int
     mpi_chunk_bytes: int
     num_links: int
+    mpi_idle_sleep_us: int
     overlap: str
     backend: str
     cpu_reduce: bool
