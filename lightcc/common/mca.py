@@ -12,7 +12,7 @@ messages of an exchange stalled for 40-60 ms each at 1 Gbit (docs/topology.md, "
 on 2 simulated hosts at 1 Gbit, lightcc trained at 0.92x the speed of DDP instead of 0.98x
 uncompressed, and with fp16 at 0.87x the speed of DDP's fp16 hook instead of 1.01x.
 
-The setting: how a rank waits (``LCC_MPI_IDLE_SLEEP_US``, default 50). Open MPI waits for a
+The setting: how a rank waits (``LCC_MPI_IDLE_SLEEP_US``, default 20). Open MPI waits for a
 request or a blocking collective by calling ``opal_progress`` in a loop; over TCP every turn is
 an ``epoll_wait(…, 0)``, and with ``mpi_yield_when_idle`` a ``sched_yield``: a waiting rank kept
 a core busy, ~45 % of it in the kernel (docs/profile-1gbit.md), taken from backward and from the
@@ -70,6 +70,26 @@ def apply(num_links: int, idle_sleep_us: int = 0) -> None:
         current = os.environ.get(var)
         if current is None or current == _state["set"].get(var):
             _state["set"][var] = os.environ[var] = value
+    if idle_sleep_us > 0:
+        set_timer_slack(max(1000, idle_sleep_us * 100))
+
+
+def set_timer_slack(ns: int) -> bool:
+    """Let this thread's (and the threads it starts later) sleeps overrun by at most ``ns``.
+
+    Linux lets a sleep of a normal thread end up to 50 us late (timer slack), which would turn
+    every idle turn of Open MPI's progress loop into >= 50 us whatever nanosleep_time says; the
+    slack is set to a tenth of the sleep. Linux only (``prctl(PR_SET_TIMERSLACK)``); returns
+    whether it was set."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.prctl(29, ctypes.c_ulong(int(ns)), 0, 0, 0) == 0   # PR_SET_TIMERSLACK
+    except (OSError, AttributeError):
+        return False
 
 
 #: Set by mpirun / PMIx in the processes it starts (a launcher's own process has none).

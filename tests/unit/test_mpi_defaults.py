@@ -54,11 +54,11 @@ def test_mpi_started_before_init_is_left_alone():
 
 
 @pytest.mark.parametrize("env,want", [
-    ({}, ["1", "nanosleep", "50000"]),
+    ({}, ["1", "nanosleep", "20000"]),
     ({"LCC_MPI_IDLE_SLEEP_US": "7"}, ["1", "nanosleep", "7000"]),
     ({"LCC_MPI_IDLE_SLEEP_US": "0"}, ["unset", "unset", "unset"]),
     ({"OMPI_MCA_threads_pthreads_yield_strategy": "sched_yield"},
-     ["1", "sched_yield", "50000"])])
+     ["1", "sched_yield", "20000"])])
 def test_init_sets_sleeping_idle_wait_unless_given(env, want):
     """Open MPI's progress loop sleeps (nanosleep) instead of spinning when idle; a user's own
     OMPI_MCA_* value wins, 0 leaves Open MPI's default."""
