@@ -155,7 +155,7 @@ KNOBS: tuple[Knob, ...] = (
          "mpirun; under plain mpirun, import lightcc and init() set OMPI_MCA_btl_tcp_links to "
          "it while MPI has not started and the variable is unset (init() warns when MPI "
          "started first on a multi-host job).", _min(1)),
-    Knob("mpi_idle_sleep_us", "LCC_MPI_IDLE_SLEEP_US", _parse_int, 50, "us",
+    Knob("mpi_idle_sleep_us", "LCC_MPI_IDLE_SLEEP_US", _parse_int, 20, "us",
          "How an MPI wait idles: a turn of Open MPI's progress loop that found nothing to do "
          "sleeps this long (sets OMPI_MCA_mpi_yield_when_idle=1, "
          "threads_pthreads_yield_strategy=nanosleep and its nanosleep_time, the same way as "
