@@ -12,7 +12,8 @@ messages of an exchange stalled for 40-60 ms each at 1 Gbit (docs/topology.md, "
 on 2 simulated hosts at 1 Gbit, lightcc trained at 0.92x the speed of DDP instead of 0.98x
 uncompressed, and with fp16 at 0.87x the speed of DDP's fp16 hook instead of 1.01x.
 
-The setting: how a rank waits (``LCC_MPI_IDLE_SLEEP_US``, default 20). Open MPI waits for a
+The setting: how a rank waits (``LCC_MPI_IDLE_SLEEP_US``, default auto: 20 us when mpirun placed
+the ranks on several hosts, 0 on one). Open MPI waits for a
 request or a blocking collective by calling ``opal_progress`` in a loop; over TCP every turn is
 an ``epoll_wait(…, 0)``, and with ``mpi_yield_when_idle`` a ``sched_yield``: a waiting rank kept
 a core busy, ~45 % of it in the kernel (docs/profile-1gbit.md), taken from backward and from the
@@ -23,7 +24,9 @@ data does not, so a transfer in progress runs at full speed and only idle waitin
 still in backward, a wire that is busy) gives the core back. This covers every MPI wait,
 blocking collectives included (a pause between ``MPI_Test`` calls in Python, branch ``prof``,
 covered only point-to-point waits and slept up to 0.5 ms at a time, which cost 12-25 % of fp16
-training at 1 Gbit). 0 leaves Open MPI's spinning wait.
+training at 1 Gbit). 0 leaves Open MPI's spinning wait. The price is latency: every idle turn
+of a small message's exchange sleeps, so a 4-byte allreduce on one host took ~10x longer
+(docs/profile-1gbit.md); on one host, where messages take microseconds, auto keeps the spin.
 
 When the script started MPI first (``from mpi4py import MPI`` before ``import lightcc``, or a
 framework that initializes MPI) and the variable was unset, it is too late: ``init()`` then
@@ -48,8 +51,27 @@ def _mpi_initialized() -> bool:
     return mpi is not None and bool(mpi.Is_initialized())
 
 
-def settings(num_links: int, idle_sleep_us: int) -> dict[str, str]:
+#: LCC_MPI_IDLE_SLEEP_US=auto on a job that spans several hosts (us)
+AUTO_IDLE_SLEEP_US = 20
+
+
+def idle_sleep(value: int | str, env: dict | os._Environ = os.environ) -> int:
+    """The idle sleep in us for the knob's value: ``auto`` is :data:`AUTO_IDLE_SLEEP_US` when
+    mpirun's variables say this rank's host holds fewer ranks than the job (several hosts),
+    else 0 (one host, or not started by Open MPI's mpirun)."""
+    if value != "auto":
+        return int(value)
+    try:
+        world = int(env["OMPI_COMM_WORLD_SIZE"])
+        local = int(env["OMPI_COMM_WORLD_LOCAL_SIZE"])
+    except (KeyError, ValueError):
+        return 0
+    return AUTO_IDLE_SLEEP_US if local < world else 0
+
+
+def settings(num_links: int, idle_sleep_us: int | str) -> dict[str, str]:
     """The ``OMPI_MCA_*`` variables lightcc wants for these knob values."""
+    idle_sleep_us = idle_sleep(idle_sleep_us)
     out = {LINKS_VAR: str(num_links)}
     if idle_sleep_us > 0:
         out.update({"OMPI_MCA_mpi_yield_when_idle": "1",
@@ -58,7 +80,7 @@ def settings(num_links: int, idle_sleep_us: int) -> dict[str, str]:
     return out
 
 
-def apply(num_links: int, idle_sleep_us: int = 0) -> None:
+def apply(num_links: int, idle_sleep_us: int | str = 0) -> None:
     """Put lightcc's Open MPI settings into the environment if MPI has not started yet and
     nobody else set them (a value lightcc set earlier is updated); else note whether
     ``btl_tcp_links`` came too late."""
@@ -70,8 +92,8 @@ def apply(num_links: int, idle_sleep_us: int = 0) -> None:
         current = os.environ.get(var)
         if current is None or current == _state["set"].get(var):
             _state["set"][var] = os.environ[var] = value
-    if idle_sleep_us > 0:
-        set_timer_slack(max(1000, idle_sleep_us * 100))
+    if idle_sleep(idle_sleep_us) > 0:
+        set_timer_slack(max(1000, idle_sleep(idle_sleep_us) * 100))
 
 
 def set_timer_slack(ns: int) -> bool:

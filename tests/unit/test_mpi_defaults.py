@@ -54,10 +54,11 @@ def test_mpi_started_before_init_is_left_alone():
 
 
 @pytest.mark.parametrize("env,want", [
-    ({}, ["1", "nanosleep", "20000"]),
+    ({}, ["unset", "unset", "unset"]),            # auto, one host (a singleton)
+    ({"LCC_MPI_IDLE_SLEEP_US": "20"}, ["1", "nanosleep", "20000"]),
     ({"LCC_MPI_IDLE_SLEEP_US": "7"}, ["1", "nanosleep", "7000"]),
     ({"LCC_MPI_IDLE_SLEEP_US": "0"}, ["unset", "unset", "unset"]),
-    ({"OMPI_MCA_threads_pthreads_yield_strategy": "sched_yield"},
+    ({"LCC_MPI_IDLE_SLEEP_US": "20", "OMPI_MCA_threads_pthreads_yield_strategy": "sched_yield"},
      ["1", "sched_yield", "20000"])])
 def test_init_sets_sleeping_idle_wait_unless_given(env, want):
     """Open MPI's progress loop sleeps (nanosleep) instead of spinning when idle; a user's own
@@ -66,4 +67,25 @@ def test_init_sets_sleeping_idle_wait_unless_given(env, want):
 
 
 def test_idle_wait_not_set_after_mpi_started():
-    assert _run("mpi-first", "IDLE") == ["unset", "unset", "unset"]
+    assert _run("mpi-first", "IDLE", LCC_MPI_IDLE_SLEEP_US="20") == ["unset", "unset", "unset"]
+
+
+@pytest.mark.parametrize("value,env,want", [
+    ("auto", {"OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_LOCAL_SIZE": "2"}, 20),
+    ("auto", {"OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_LOCAL_SIZE": "2"}, 0),
+    ("auto", {"OMPI_COMM_WORLD_SIZE": "4"}, 0),
+    ("auto", {}, 0),
+    (5, {"OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_LOCAL_SIZE": "2"}, 5),
+    (0, {"OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_LOCAL_SIZE": "2"}, 0)])
+def test_auto_idle_sleep_only_across_hosts(value, env, want):
+    """auto sleeps only when mpirun put this rank's host below the job's size (several hosts)."""
+    from lightcc.common.mca import idle_sleep
+
+    assert idle_sleep(value, env) == want
+
+
+def test_bad_idle_sleep_is_an_error():
+    from lightcc.common import config
+
+    with pytest.raises(config.ConfigError, match="mpi_idle_sleep_us.*auto or >= 0"):
+        config.load({"mpi_idle_sleep_us": -1})
