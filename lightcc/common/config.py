@@ -166,7 +166,7 @@ KNOBS: tuple[Knob, ...] = (
          "threads_pthreads_yield_strategy=nanosleep and its nanosleep_time, the same way as "
          "btl_tcp_links), so waiting for a peer or the wire does not burn a core, at the price "
          "of tens of us per small message. 0 = Open MPI's spinning wait; auto = 20 when mpirun "
-         "placed the ranks on several hosts, else 0.",
+         "placed the ranks on several hosts with several on this one, else 0.",
          lambda v: None if v == "auto" or (isinstance(v, int) and v >= 0)
          else "must be auto or >= 0"),
     Knob("overlap", "LCC_OVERLAP", lambda t: t.strip().lower(), "auto", "",

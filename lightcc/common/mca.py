@@ -13,7 +13,7 @@ on 2 simulated hosts at 1 Gbit, lightcc trained at 0.92x the speed of DDP instea
 uncompressed, and with fp16 at 0.87x the speed of DDP's fp16 hook instead of 1.01x.
 
 The setting: how a rank waits (``LCC_MPI_IDLE_SLEEP_US``, default auto: 20 us when mpirun placed
-the ranks on several hosts, 0 on one). Open MPI waits for a
+the ranks on several hosts with several ranks on this one, else 0). Open MPI waits for a
 request or a blocking collective by calling ``opal_progress`` in a loop; over TCP every turn is
 an ``epoll_wait(…, 0)``, and with ``mpi_yield_when_idle`` a ``sched_yield``: a waiting rank kept
 a core busy, ~45 % of it in the kernel (docs/profile-1gbit.md), taken from backward and from the
@@ -57,8 +57,10 @@ AUTO_IDLE_SLEEP_US = 20
 
 def idle_sleep(value: int | str, env: dict | os._Environ = os.environ) -> int:
     """The idle sleep in us for the knob's value: ``auto`` is :data:`AUTO_IDLE_SLEEP_US` when
-    mpirun's variables say this rank's host holds fewer ranks than the job (several hosts),
-    else 0 (one host, or not started by Open MPI's mpirun)."""
+    mpirun's variables say the job spans several hosts and this rank shares its host with
+    other ranks (they compete for its cores while one waits for the wire), else 0 (one host:
+    microsecond messages; one rank per host: the spin takes a core no other rank wants; or
+    not started by Open MPI's mpirun)."""
     if value != "auto":
         return int(value)
     try:
@@ -66,7 +68,7 @@ def idle_sleep(value: int | str, env: dict | os._Environ = os.environ) -> int:
         local = int(env["OMPI_COMM_WORLD_LOCAL_SIZE"])
     except (KeyError, ValueError):
         return 0
-    return AUTO_IDLE_SLEEP_US if local < world else 0
+    return AUTO_IDLE_SLEEP_US if 1 < local < world else 0
 
 
 def settings(num_links: int, idle_sleep_us: int | str) -> dict[str, str]:

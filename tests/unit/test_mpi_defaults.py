@@ -72,13 +72,14 @@ def test_idle_wait_not_set_after_mpi_started():
 
 @pytest.mark.parametrize("value,env,want", [
     ("auto", {"OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_LOCAL_SIZE": "2"}, 20),
+    ("auto", {"OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_LOCAL_SIZE": "1"}, 0),
     ("auto", {"OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_LOCAL_SIZE": "2"}, 0),
     ("auto", {"OMPI_COMM_WORLD_SIZE": "4"}, 0),
     ("auto", {}, 0),
     (5, {"OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_LOCAL_SIZE": "2"}, 5),
     (0, {"OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_LOCAL_SIZE": "2"}, 0)])
 def test_auto_idle_sleep_only_across_hosts(value, env, want):
-    """auto sleeps only when mpirun put this rank's host below the job's size (several hosts)."""
+    """auto sleeps only on a job of several hosts with several ranks on this one."""
     from lightcc.common.mca import idle_sleep
 
     assert idle_sleep(value, env) == want
