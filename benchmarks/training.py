@@ -101,6 +101,7 @@ class Worker:
     def __init__(self, args: argparse.Namespace) -> None:
         import torch
 
+        import lightcc  # noqa: F401  (before MPI starts: its Open MPI settings, as for users)
         from mpi4py import MPI
 
         self.args = args

@@ -32,6 +32,11 @@ def _parse_bool(text: str) -> bool:
     raise ValueError(f"expected 0/1/true/false, got {text!r}")
 
 
+def _parse_idle_sleep(text: str) -> int | str:
+    text = text.strip().lower()
+    return text if text == "auto" else _parse_int(text)
+
+
 def _parse_int(text: str) -> int:
     return int(text.strip(), 0)
 
@@ -155,6 +160,15 @@ KNOBS: tuple[Knob, ...] = (
          "mpirun; under plain mpirun, import lightcc and init() set OMPI_MCA_btl_tcp_links to "
          "it while MPI has not started and the variable is unset (init() warns when MPI "
          "started first on a multi-host job).", _min(1)),
+    Knob("mpi_idle_sleep_us", "LCC_MPI_IDLE_SLEEP_US", _parse_idle_sleep, "auto", "us",
+         "How an MPI wait idles: a turn of Open MPI's progress loop that found nothing to do "
+         "sleeps this long (sets OMPI_MCA_mpi_yield_when_idle=1, "
+         "threads_pthreads_yield_strategy=nanosleep and its nanosleep_time, the same way as "
+         "btl_tcp_links), so waiting for a peer or the wire does not burn a core, at the price "
+         "of tens of us per small message. 0 = Open MPI's spinning wait; auto = 20 when mpirun "
+         "placed the ranks on several hosts with several on this one, else 0.",
+         lambda v: None if v == "auto" or (isinstance(v, int) and v >= 0)
+         else "must be auto or >= 0"),
     Knob("overlap", "LCC_OVERLAP", lambda t: t.strip().lower(), "auto", "",
          "When collectives start: 1 = in the background as soon as submitted (overlaps "
          "communication with compute); 0 = when a thread waits for them (lazy); auto = lazy "
@@ -223,6 +237,7 @@ class Config:
     ring_chunk_bytes: int
     mpi_chunk_bytes: int
     num_links: int
+    mpi_idle_sleep_us: int | str
     overlap: str
     backend: str
     cpu_reduce: bool

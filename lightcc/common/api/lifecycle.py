@@ -37,7 +37,7 @@ def init(comm: Any = None, process_sets: Sequence[ProcessSet] | None = None,
             return
         cfg = config_mod.load(overrides)
         _setup_logging(cfg.log_level)
-        mca.apply(cfg.num_links)
+        mca.apply(cfg.num_links, cfg.mpi_idle_sleep_us)
         from ..backends import mpi
 
         base, hostnames = mpi.bootstrap(comm)
