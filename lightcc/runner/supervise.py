@@ -36,6 +36,7 @@ from .flight_summary import rank_pids, read_records, summarize
 
 TAIL_BYTES = 64 * 1024
 INTERRUPT_GRACE_S = 4.0     # after forwarding Ctrl-C, wait this long before SIGKILL
+USR1_SUMMARY_WAIT_S = 2.0   # SIGUSR1 to lccrun: the ranks' records are read this much later
 FAILURE_GRACE_S = 3.0       # a rank failed: stop the job if it is still running then
 TERM_GRACE_S = 1.5          # after SIGTERM to mpirun, wait this long before SIGKILL
 SCAN_INTERVAL_S = 2.0       # how often to note the processes below mpirun
@@ -307,11 +308,18 @@ def supervise(argv: list[str], env: dict[str, str], status_dir: str | None,
     def on_signal(signum, _frame) -> None:
         received.append(signum)
 
+    asked: list[float] = []      # SIGUSR1 to lccrun: when each summary was asked for
+
+    def on_usr1(_signum, _frame) -> None:
+        asked.append(time.monotonic())
+
     handled = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
     previous = {}
     if threading.current_thread() is threading.main_thread():
         for sig in handled:
             previous[sig] = signal.signal(sig, on_signal)
+        if flight_dir:
+            previous[signal.SIGUSR1] = signal.signal(signal.SIGUSR1, on_usr1)
     become_subreaper()
     before = set(descendants(os.getpid()))  # our own, unrelated children are never touched
     try:
@@ -342,6 +350,14 @@ def supervise(argv: list[str], env: dict[str, str], status_dir: str | None,
                 interrupted_at = interrupted_at or now
                 if forwarded > 1:                  # second Ctrl-C: no more patience
                     kill_tree(proc.pid, known)
+            if asked and asked[0] > 0:               # SIGUSR1 to lccrun: records, then summary
+                known.update(descendants(proc.pid))
+                request_records(flight_dir, known)
+                asked[0] = -(now + USR1_SUMMARY_WAIT_S)
+            elif asked and now >= -asked[0]:
+                asked.clear()
+                for line in summarize(read_records(flight_dir)):
+                    print(line, file=sys.stderr, flush=True)
             if interrupted_at and now - interrupted_at > interrupt_grace_s:
                 kill_tree(proc.pid, known)
             if failed_at is None:

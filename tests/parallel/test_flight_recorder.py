@@ -15,7 +15,8 @@ from tests.parallel.test_reliability import WORKERS, _finish, _lccrun, _lccrun_e
 
 
 def _summary(err: str) -> str:
-    start = err.find("lccrun: flight recorder:")
+    """The last summary lccrun printed."""
+    start = err.rfind("lccrun: flight recorder:")
     assert start >= 0, f"no flight recorder summary\n{err[-4000:]}"
     return err[start:]
 
@@ -51,3 +52,43 @@ def test_rank_that_hangs_is_named_with_the_collective_it_never_reached():
     assert "rank 2 is behind: never reached allreduce 'step5.grad' (float32 8x4)" in summary, \
         summary
     assert summary.count("in wait_for_peers") >= 2, summary
+
+
+@needs_lccrun
+@pytest.mark.timeout(240)
+def test_sigusr1_to_lccrun_prints_a_summary_while_the_job_runs(tmp_path):
+    """No failure at all: rank 1 sleeps before step5.grad; SIGUSR1 to lccrun (repeated every
+    3 s until the summary appears, a loaded machine may start the ranks slowly) must print
+    the summary naming it, and the job keeps running until we interrupt it."""
+    import signal
+    import threading
+    import time
+
+    proc, _ = _lccrun(["-np", "3", sys.executable, str(WORKERS / "flight_worker.py"),
+                       "sleep", "1"], _lccrun_env({"LCC_FLIGHT_DIR": str(tmp_path)}))
+    chunks: list[str] = []
+    reader = threading.Thread(target=lambda: chunks.extend(iter(proc.stderr.readline, "")),
+                              daemon=True)
+    reader.start()
+    deadline = time.monotonic() + 150
+    try:       # every rank registered: lccrun (which started them) handles SIGUSR1 by now
+        while len(list(tmp_path.glob("rank*.pid"))) < 3 and proc.poll() is None \
+                and time.monotonic() < deadline:
+            time.sleep(0.5)
+        while time.monotonic() < deadline and "is behind" not in "".join(chunks) \
+                and proc.poll() is None:
+            proc.send_signal(signal.SIGUSR1)
+            time.sleep(3)
+        assert proc.poll() is None, "".join(chunks)[-3000:]
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(60)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    reader.join(10)
+    err = "".join(chunks)
+    summary = _summary(err)
+    assert "rank 1 is behind: never reached allreduce 'step5.grad' (float32 8x4)" in summary, \
+        summary
