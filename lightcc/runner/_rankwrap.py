@@ -17,7 +17,6 @@ or the same signal) so Open MPI sees what it would have seen without the wrapper
 """
 from __future__ import annotations
 
-import glob
 import json
 import os
 import runpy
@@ -36,8 +35,6 @@ STATUS_DIR_ENV = "LCC_RUNNER_STATUS_DIR"
 #: whichever abort reached prterun first, so the name does not depend on that race; the wait
 #: only keeps the job up for the records and prterun's banner of the real failure.
 CONSEQUENCE_WAIT_S = 10.0
-#: a failing rank waits at most this long for the flight records of its host's other ranks
-FLIGHT_WAIT_S = 3.0
 _POLL_S = 0.05
 _LOST_RANK_TEXT = ("exited or lost its connection", "closed its connection",
                    "shut down or exited")
@@ -151,38 +148,12 @@ def _user_traceback(exc: BaseException) -> None:
     traceback.print_exception(type(exc), exc, tb)
 
 
-def _flight_dump(reason: str, wait_s: float = FLIGHT_WAIT_S) -> None:
-    """Write lightcc's flight record if lightcc was used (never imports it), and have the
-    other ranks of this host write theirs (SIGUSR1) before MPI_Abort takes them down: wait up
-    to ``wait_s`` for their files."""
+def _flight_dump(reason: str) -> None:
+    """Write lightcc's flight record if lightcc was used (never imports it) and have the other
+    ranks of this host write theirs before MPI_Abort takes them down."""
     recorder = sys.modules.get("lightcc.common.observability.flight")
-    path = recorder.dump(reason, keep=True) if recorder is not None else None
-    if not path:
-        return
-    directory = os.path.dirname(path)
-    # ask twice: the first answers may come from peers still finishing the previous
-    # collective; a second, later record shows where they block (it replaces the first)
-    for wait in (wait_s / 3, wait_s * 2 / 3):
-        start = time.time()
-        asked = []
-        for pid_file in glob.glob(os.path.join(directory, "rank*.pid")):
-            try:
-                with open(pid_file) as f:
-                    pid = int(f.read().strip())
-                if pid != os.getpid():
-                    os.kill(pid, signal.SIGUSR1)
-                    asked.append(pid_file[:-4] + ".json")
-            except (OSError, ValueError):
-                continue
-        while time.time() - start < wait:
-            asked = [p for p in asked
-                     if not (os.path.exists(p) and os.path.getmtime(p) >= start)]
-            if not asked and wait == wait_s / 3:
-                time.sleep(wait - (time.time() - start))   # let the peers reach their wait
-                break
-            if not asked:
-                break
-            time.sleep(0.05)
+    if recorder is not None:
+        recorder.dump_on_exit(reason)
 
 
 def _abort_if_mpi(code: int) -> None:

@@ -123,3 +123,11 @@ def summarize(docs: dict[int, dict], size: int | None = None) -> list[str]:
         lines.append("lccrun: every rank that wrote a record submitted the collectives others "
                      "wait in (the wait is in the data plane, not a missing rank)")
     return lines
+
+
+if __name__ == "__main__":       # python -m lightcc.runner.flight_summary DIR (plain mpirun)
+    import sys
+
+    if len(sys.argv) != 2:
+        sys.exit("usage: python -m lightcc.runner.flight_summary LCC_FLIGHT_DIR")
+    print("\n".join(summarize(read_records(sys.argv[1]))) or "no flight records there")

@@ -20,6 +20,7 @@ engine's queue and are not recorded.
 from __future__ import annotations
 
 import faulthandler
+import glob
 import itertools
 import json
 import logging
@@ -39,6 +40,7 @@ log = logging.getLogger("lightcc")
 RECORDS_ENV = "LCC_FLIGHT_RECORDS"
 DIR_ENV = "LCC_FLIGHT_DIR"
 LOCK_WAIT_S = 1.0             # see dump()
+PEER_WAIT_S = 3.0             # see dump_on_exit()
 MIN_DUMP_INTERVAL_S = 1.0     # a burst of failing handles writes one file, not hundreds
 
 _active: FlightRecorder | None = None
@@ -161,3 +163,33 @@ def dump(reason: str, keep: bool = False) -> str | None:
     exception, ``keep=True``); None when there is no recorder or no directory."""
     recorder = _active
     return recorder.dump(reason, keep=keep) if recorder is not None else None
+
+
+def dump_on_exit(reason: str, wait_s: float = PEER_WAIT_S) -> None:
+    """A rank is ending on an uncaught exception (lccrun's rank wrapper, or init()'s exit hook
+    under plain mpirun): write its record, then have the other ranks of this host write theirs
+    (SIGUSR1 to the pids in ``rank<N>.pid``) before MPI_Abort takes them down, waiting up to
+    ``wait_s``. Asked twice: the first answers may come from peers still finishing the
+    previous collective; the second shows where they block (it replaces the first)."""
+    path = dump(reason, keep=True)
+    if not path:
+        return
+    directory = os.path.dirname(path)
+    for wait in (wait_s / 3, wait_s * 2 / 3):
+        start = time.time()
+        asked = []
+        for pid_file in glob.glob(os.path.join(directory, "rank*.pid")):
+            try:
+                with open(pid_file) as f:
+                    pid = int(f.read().strip())
+                if pid != os.getpid():
+                    os.kill(pid, signal.SIGUSR1)
+                    asked.append(pid_file[:-4] + ".json")
+            except (OSError, ValueError):
+                continue
+        while asked and time.time() - start < wait:
+            asked = [p for p in asked
+                     if not (os.path.exists(p) and os.path.getmtime(p) >= start)]
+            time.sleep(0.05)
+        if wait == wait_s / 3:
+            time.sleep(max(0.0, wait - (time.time() - start)))   # let peers reach their wait
