@@ -207,6 +207,15 @@ KNOBS: tuple[Knob, ...] = (
          "in bit vectors on the way up, so no rank handles more than this many connections "
          "and reports per step; a job of up to this + 1 ranks is a star around rank 0.",
          _min(1)),
+    Knob("flight_records", "LCC_FLIGHT_RECORDS", _parse_int, 256, "entries",
+         "Flight recorder: how many of its last collectives each rank remembers (type, name, "
+         "dtype, shape, process set, state, times) for the record it writes on SIGUSR1, a "
+         "StallError, a lost rank or an uncaught exception (docs/elastic.md). 0 disables it.",
+         _min(0)),
+    Knob("flight_dir", "LCC_FLIGHT_DIR", _parse_str, "", "path",
+         "Directory where each rank writes its flight record (rank<N>.json); lccrun sets a "
+         "private one and prints a summary naming the rank that is behind. Empty: record, "
+         "never write."),
     Knob("shutdown_timeout", "LCC_SHUTDOWN_TIMEOUT", _parse_float, 30.0, "s",
          "How long shutdown() waits for the background thread before giving up.", _min(0.0)),
 )
@@ -248,6 +257,8 @@ class Config:
     autotune_cache: str
     control_addr: str
     control_fanout: int
+    flight_records: int
+    flight_dir: str
     shutdown_timeout: float
 
     def replace(self, **changes: Any) -> "Config":

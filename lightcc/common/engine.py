@@ -41,6 +41,7 @@ from .execution.batches import BatchRunner
 from .execution.group import ExecSettings, Group
 from .execution.shared import LocalEntry
 from .handle import Handle
+from .observability import flight
 from .topology import build, overlap_in_background
 from .tracing import NULL, Tracer
 
@@ -117,6 +118,7 @@ class Engine(ControlLink, BatchRunner):
         self._direct = fusion.direct_bytes(self.topo.num_nodes)   # the same on every rank
         self.missed_wakeups = 0              # background sleeps that ignored queued work
         self.listeners: list = []      # callables(event: str, **info), e.g. the autotuner
+        self.flight = flight.attach(self.rank, self.size, config.flight_records, config.flight_dir)
         self._thread = threading.Thread(target=self._run, name="lightcc-engine", daemon=True)
         self._thread.start()
 
@@ -197,6 +199,8 @@ class Engine(ControlLink, BatchRunner):
         if wake and eager and (self._drv_sleeping or
                                (self._bg_sleeping and (first or newly_urgent))):
             self._plane.wake()
+        if self.flight is not None:
+            self.flight.record(handle, now)
         return handle
 
     def _check_alive(self) -> None:

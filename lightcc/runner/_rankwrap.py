@@ -148,6 +148,14 @@ def _user_traceback(exc: BaseException) -> None:
     traceback.print_exception(type(exc), exc, tb)
 
 
+def _flight_dump(reason: str) -> None:
+    """Write lightcc's flight record if lightcc was used (never imports it) and have the other
+    ranks of this host write theirs before MPI_Abort takes them down."""
+    recorder = sys.modules.get("lightcc.common.observability.flight")
+    if recorder is not None:
+        recorder.dump_on_exit(reason)
+
+
 def _abort_if_mpi(code: int) -> None:
     """MPI_Abort(code) when this process initialised MPI (through mpi4py) and has not finalised."""
     mpi = sys.modules.get("mpi4py.MPI")
@@ -243,6 +251,7 @@ def main(args: list[str] | None = None) -> int:
             return 0
         if not isinstance(exc, SystemExit):
             _user_traceback(exc)
+        _flight_dump(f"exited on {what}")
         consequence = is_consequence(exc)
         write_status(code, what, consequence=consequence)
         if consequence:

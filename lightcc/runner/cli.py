@@ -75,8 +75,9 @@ def run(launch: Launch, verbose: bool = False) -> int:
     status_dir = tempfile.mkdtemp(prefix="lccrun-")
     env = dict(launch.env)
     env[STATUS_DIR_ENV] = status_dir
+    env.setdefault("LCC_FLIGHT_DIR", os.path.join(status_dir, "flight"))
     try:
         sys.stdout.flush()
-        return supervise(launch.argv, env, status_dir)
+        return supervise(launch.argv, env, status_dir, flight_dir=env["LCC_FLIGHT_DIR"])
     finally:
         shutil.rmtree(status_dir, ignore_errors=True)

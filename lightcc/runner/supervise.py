@@ -32,9 +32,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ._rankwrap import CONSEQUENCE_WAIT_S
+from .flight_summary import rank_pids, read_records, summarize
 
 TAIL_BYTES = 64 * 1024
 INTERRUPT_GRACE_S = 4.0     # after forwarding Ctrl-C, wait this long before SIGKILL
+USR1_SUMMARY_WAIT_S = 2.0   # SIGUSR1 to lccrun: the ranks' records are read this much later
 FAILURE_GRACE_S = 3.0       # a rank failed: stop the job if it is still running then
 TERM_GRACE_S = 1.5          # after SIGTERM to mpirun, wait this long before SIGKILL
 SCAN_INTERVAL_S = 2.0       # how often to note the processes below mpirun
@@ -185,19 +187,32 @@ def kill_tree(pid: int | None, known: dict[int, int] | None = None) -> list[int]
     """SIGKILL ``pid`` (None: already reaped), every process below it, and the ``known``
     (pid -> start time) ones that still exist; returns the pids signalled."""
     targets = {**(known or {}), **(descendants(pid) if pid is not None else {})}
-    hit = []
     if pid is not None:
         _signal(pid, signal.SIGKILL)
+    return signal_verified(targets, signal.SIGKILL)
+
+
+def signal_verified(targets: dict[int, int], sig: int) -> list[int]:
+    """Send ``sig`` to each pid of ``targets`` (pid -> start time) that is still that process;
+    returns the pids signalled."""
+    hit = []
     for target, start in targets.items():
         st = _stat(target)
         if st is None or st[1] != start:
             continue  # gone, or the pid now belongs to an unrelated process
         try:
-            os.kill(target, signal.SIGKILL)
+            os.kill(target, sig)
             hit.append(target)
         except (ProcessLookupError, PermissionError):
             pass
     return hit
+
+
+def request_records(directory: str | None, known: dict[int, int]) -> list[int]:
+    """SIGUSR1 to every rank process that registered in the flight recorder's ``directory``
+    (``rank<N>.pid``) and is one of lccrun's descendants (``known``); the pids signalled."""
+    return signal_verified({pid: known[pid] for pid in rank_pids(directory) if pid in known},
+                           signal.SIGUSR1)
 
 
 def become_subreaper() -> bool:
@@ -286,18 +301,25 @@ class _Tail:
 
 def supervise(argv: list[str], env: dict[str, str], status_dir: str | None,
               interrupt_grace_s: float = INTERRUPT_GRACE_S,
-              failure_grace_s: float = FAILURE_GRACE_S) -> int:
+              failure_grace_s: float = FAILURE_GRACE_S, flight_dir: str | None = None) -> int:
     """Run ``argv``; return lccrun's exit code after printing the failure summary if any."""
     received: list[int] = []
 
     def on_signal(signum, _frame) -> None:
         received.append(signum)
 
+    asked: list[float] = []      # SIGUSR1 to lccrun: when each summary was asked for
+
+    def on_usr1(_signum, _frame) -> None:
+        asked.append(time.monotonic())
+
     handled = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
     previous = {}
     if threading.current_thread() is threading.main_thread():
         for sig in handled:
             previous[sig] = signal.signal(sig, on_signal)
+        if flight_dir:
+            previous[signal.SIGUSR1] = signal.signal(signal.SIGUSR1, on_usr1)
     become_subreaper()
     before = set(descendants(os.getpid()))  # our own, unrelated children are never touched
     try:
@@ -328,6 +350,14 @@ def supervise(argv: list[str], env: dict[str, str], status_dir: str | None,
                 interrupted_at = interrupted_at or now
                 if forwarded > 1:                  # second Ctrl-C: no more patience
                     kill_tree(proc.pid, known)
+            if asked and asked[0] > 0:               # SIGUSR1 to lccrun: records, then summary
+                known.update(descendants(proc.pid))
+                request_records(flight_dir, known)
+                asked[0] = -(now + USR1_SUMMARY_WAIT_S)
+            elif asked and now >= -asked[0]:
+                asked.clear()
+                for line in summarize(read_records(flight_dir)):
+                    print(line, file=sys.stderr, flush=True)
             if interrupted_at and now - interrupted_at > interrupt_grace_s:
                 kill_tree(proc.pid, known)
             if failed_at is None:
@@ -338,6 +368,9 @@ def supervise(argv: list[str], env: dict[str, str], status_dir: str | None,
                     consequence_at = consequence_at or now
                     if now - consequence_at > CONSEQUENCE_WAIT_S:
                         failed_at = now
+                if failed_at is not None:      # ask the ranks still there for their records
+                    known.update(descendants(proc.pid))
+                    request_records(flight_dir, known)
             if failed_at and termed_at is None and now - failed_at > failure_grace_s:
                 _signal(proc.pid, signal.SIGTERM)
                 termed_at = now
@@ -354,6 +387,8 @@ def supervise(argv: list[str], env: dict[str, str], status_dir: str | None,
     tail.thread.join(timeout=2.0)
     if not tail.ends_with_newline():
         sys.stderr.write("\n")  # prterun's last banner ends without a newline
+    for line in summarize(read_records(flight_dir)) if returncode != 0 else []:
+        print(line, file=sys.stderr)
     return _summarise(returncode, tail.text(), read_statuses(status_dir), received)
 
 

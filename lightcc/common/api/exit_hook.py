@@ -18,6 +18,7 @@ import time
 from typing import Any
 
 from ..exceptions import LightCCError
+from ..observability import flight
 
 #: seconds a rank whose error is a consequence of another rank's exit waits before aborting
 CONSEQUENCE_WAIT_S = 5.0
@@ -45,6 +46,7 @@ def install(world_size: int) -> None:
             code = 130
         else:
             code = 1
+        flight.dump_on_exit(f"exited on uncaught {tp.__name__}: {str(value)[:300]}")
         if is_consequence(value):
             time.sleep(CONSEQUENCE_WAIT_S)
         for stream in (sys.stdout, sys.stderr):

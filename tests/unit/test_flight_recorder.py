@@ -1,0 +1,89 @@
+"""Flight recorder units: the ring buffer and its file (observability/flight.py) and lccrun's
+summary (runner/flight_summary.py) on hand-written records. The end-to-end jobs are in
+tests/parallel/test_flight_recorder.py."""
+from __future__ import annotations
+
+import json
+import threading
+
+from lightcc.common.control.messages import Coll, Request
+from lightcc.common.exceptions import StallError
+from lightcc.common.handle import Handle
+from lightcc.common.observability.flight import FlightRecorder
+from lightcc.runner.flight_summary import read_records, summarize
+
+
+def _handle(name: str, shape=(4,), dtype="float32") -> Handle:
+    return Handle(Request(Coll.ALLREDUCE, name, dtype, shape))
+
+
+def test_ring_keeps_the_last_n_with_their_state(tmp_path):
+    rec = FlightRecorder(rank=1, size=2, capacity=3, directory=str(tmp_path))
+    handles = [_handle(f"t{i}") for i in range(5)]
+    for h in handles:
+        rec.record(h, 0.0)
+    handles[2]._set(result=1)
+    handles[3]._set(error=RuntimeError("boom"))
+    rows = rec.snapshot()
+    assert [r["name"] for r in rows] == ["t2", "t3", "t4"]
+    assert [r["state"] for r in rows] == ["done", "error", "pending"]
+    assert rows[0]["finished"] is not None and rows[2]["finished"] is None
+    assert rows[2]["shape"] == [4] and rows[2]["dtype"] == "float32"
+    assert rows[2]["thread"] == threading.get_ident()
+    path = rec.dump("test")
+    with open(path) as f:
+        doc = json.load(f)
+    assert doc["rank"] == 1 and doc["reason"] == "test" and len(doc["records"]) == 3
+    assert str(threading.get_ident()) in doc["threads"]
+    assert any("test_ring_keeps" in line for line in doc["threads"][str(threading.get_ident())]
+               ["stack"])
+
+
+def test_a_stall_error_writes_the_record_once_and_keeps_it(tmp_path):
+    rec = FlightRecorder(rank=0, size=2, capacity=8, directory=str(tmp_path))
+    h = _handle("stuck")
+    rec.record(h, 0.0)
+    h._set(error=StallError("stalled"))
+    doc = json.loads((tmp_path / "rank0.json").read_text())
+    assert doc["reason"].startswith("StallError") and doc["records"][0]["state"] == "stalled"
+    rec.dump("SIGUSR1")                          # a later request does not replace it
+    assert json.loads((tmp_path / "rank0.json").read_text())["reason"].startswith("StallError")
+
+
+def test_no_directory_records_but_never_writes(tmp_path):
+    rec = FlightRecorder(rank=0, size=1, capacity=2, directory="")
+    rec.record(_handle("a"), 0.0)
+    assert rec.dump("x") is None and len(rec.snapshot()) == 1
+
+
+def _doc(rank, size, records, reason="SIGUSR1"):
+    rows = [{"seq": i, "coll": "allreduce", "name": n, "dtype": "float32", "shape": [2],
+             "pset": 0, "state": s, "error": None, "thread": 1, "submitted": 0.0,
+             "finished": None, "age_s": 1.0} for i, (n, s) in enumerate(records)]
+    return {"rank": rank, "size": size, "reason": reason, "records": rows, "threads": {}}
+
+
+def test_summary_names_the_rank_missing_from_the_collective_others_wait_in():
+    docs = {0: _doc(0, 3, [("a", "done"), ("b", "pending")]),
+            1: _doc(1, 3, [("a", "done")]),
+            2: _doc(2, 3, [("a", "done"), ("b", "pending")])}
+    text = "\n".join(summarize(docs))
+    assert "rank 1 is behind: never reached allreduce 'b' (float32 2), which rank(s) 0, 2" \
+        in text, text
+
+
+def test_summary_blames_a_silent_rank_and_says_when_nobody_is_missing():
+    docs = {0: _doc(0, 2, [("b", "stalled")])}
+    text = "\n".join(summarize(docs))
+    assert "rank(s) 1: no record" in text and "rank 1 is behind" in text, text
+    docs = {0: _doc(0, 2, [("b", "pending")]), 1: _doc(1, 2, [("b", "pending")])}
+    text = "\n".join(summarize(docs))
+    assert "is behind" not in text and "data plane" in text, text
+    assert summarize({}) == []
+
+
+def test_read_records_skips_broken_files(tmp_path):
+    (tmp_path / "rank0.json").write_text(json.dumps(_doc(0, 2, [])))
+    (tmp_path / "rank1.json").write_text("{half")
+    (tmp_path / "rank1.json.tmp5").write_text("{}")
+    assert list(read_records(str(tmp_path))) == [0]
