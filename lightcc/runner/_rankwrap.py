@@ -17,6 +17,7 @@ or the same signal) so Open MPI sees what it would have seen without the wrapper
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import runpy
@@ -27,25 +28,21 @@ import time
 import traceback
 import types
 
-STATUS_DIR_ENV = "LCC_RUNNER_STATUS_DIR"
-#: A rank whose error only reports that another rank died (a *consequence*) records that in its
-#: status and waits, before MPI_Abort, until the failed rank's own record appears (then it aborts
-#: at once) or at most this long (prterun usually ends the job first: a rank killed by a signal
-#: writes no record). lccrun names a rank with a record of its own before any consequence,
-#: whichever abort reached prterun first, so the name does not depend on that race; the wait
-#: only keeps the job up for the records and prterun's banner of the real failure.
-CONSEQUENCE_WAIT_S = 10.0
-_POLL_S = 0.05
-_LOST_RANK_TEXT = ("exited or lost its connection", "closed its connection",
-                   "shut down or exited")
+if __package__:
+    from .. import _exit
+else:   # run as a file under ``python -I``: load the stdlib-only sibling, not the lightcc package
+    _spec = importlib.util.spec_from_file_location(
+        "_lightcc_exit", os.path.join(os.path.dirname(os.path.dirname(
+            os.path.realpath(__file__))), "_exit.py"))
+    _exit = importlib.util.module_from_spec(_spec)
+    _spec.loader.exec_module(_exit)
 
-
-def world_rank() -> int | None:
-    for name in ("OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK"):
-        value = os.environ.get(name)
-        if value is not None and value.isdigit():
-            return int(value)
-    return None
+# how a failure ends the job is shared with init()'s exit hook (lightcc/_exit.py)
+STATUS_DIR_ENV = _exit.STATUS_DIR_ENV
+CONSEQUENCE_WAIT_S = _exit.CONSEQUENCE_WAIT_S
+world_rank = _exit.world_rank
+is_consequence = _exit.is_consequence
+wait_for_cause = _exit.wait_for_cause
 
 
 # torchrun's per-rank variables, from Open MPI's (PMIx's as a fallback for the rank)
@@ -104,40 +101,6 @@ def _exit_code(exc: BaseException) -> tuple[int, str]:
     return 1, f"uncaught {type(exc).__name__}: {str(exc)[:300]}".rstrip(": ")
 
 
-def is_consequence(exc: BaseException) -> bool:
-    """True for lightcc's errors that only say another rank exited or lost its connection."""
-    return type(exc).__name__ in ("ShutdownError", "LightCCError") and \
-        any(text in str(exc) for text in _LOST_RANK_TEXT)
-
-
-def wait_for_cause(timeout: float = CONSEQUENCE_WAIT_S) -> bool:
-    """After a consequence: sleep until another rank recorded a failure of its own (True) or
-    ``timeout`` passed (False; without a status directory, the whole timeout)."""
-    directory, me = os.environ.get(STATUS_DIR_ENV), world_rank()
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if directory and _cause_recorded(directory, me):
-            return True
-        time.sleep(_POLL_S)
-    return False
-
-
-def _cause_recorded(directory: str, me: int | None) -> bool:
-    try:
-        names = [n for n in os.listdir(directory) if n.startswith("rank-") and
-                 n.endswith(".json") and n != f"rank-{me}.json"]
-    except OSError:
-        return False
-    for name in names:
-        try:
-            with open(os.path.join(directory, name)) as fh:
-                if not json.load(fh).get("consequence"):
-                    return True
-        except (OSError, ValueError):
-            continue          # being replaced, or torn: read again next time
-    return False
-
-
 def _user_traceback(exc: BaseException) -> None:
     """Print the traceback without this wrapper's and runpy's frames."""
     tb = exc.__traceback__
@@ -154,24 +117,6 @@ def _flight_dump(reason: str) -> None:
     recorder = sys.modules.get("lightcc.common.observability.flight")
     if recorder is not None:
         recorder.dump_on_exit(reason)
-
-
-def _abort_if_mpi(code: int) -> None:
-    """MPI_Abort(code) when this process initialised MPI (through mpi4py) and has not finalised."""
-    mpi = sys.modules.get("mpi4py.MPI")
-    if mpi is None:
-        return
-    try:
-        if not mpi.Is_initialized() or mpi.Is_finalized():
-            return
-    except Exception:  # noqa: BLE001 - a broken MPI state must not hide the user's exit code
-        return
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except Exception:  # noqa: BLE001
-            pass
-    mpi.COMM_WORLD.Abort(code & 0xFF or 1)
 
 
 def _run(args: list[str]) -> None:
@@ -256,7 +201,7 @@ def main(args: list[str] | None = None) -> int:
         write_status(code, what, consequence=consequence)
         if consequence:
             wait_for_cause()
-        _abort_if_mpi(code)
+        _exit.abort_if_mpi(code)
         return code
     return 0
 

@@ -31,7 +31,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from ._rankwrap import CONSEQUENCE_WAIT_S
+from .._exit import CONSEQUENCE_WAIT_S
 from .flight_summary import rank_pids, read_records, summarize
 
 TAIL_BYTES = 64 * 1024

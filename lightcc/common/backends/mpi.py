@@ -23,7 +23,7 @@ from ..tracing import NULL
 
 # re-exported: the door's bootstrap and thread-level calls live in mpi_runtime.py
 from .mpi_runtime import (_MPI_OPS, _MPI_TYPES, _OPS, _Persistent, _Req, _Restartable,  # noqa: F401
-                          _mpi, _mpi_op, abort_world, agree_over, library_version, max_tag,
+                          _mpi, _mpi_op, agree_over, library_version, max_tag,
                           thread_multiple, world_bcast, world_rank_size)
 
 log = logging.getLogger("lightcc")

@@ -159,14 +159,3 @@ def agree_over(comm: Any, rank: int, size: int, failed: bool, what: str,
     return [int(i) for i in np.flatnonzero(flags)]
 
 
-def abort_world(code: int) -> bool:
-    """``MPI_Abort(code)`` on the world when MPI is running (initialized, not finalized);
-    False (nothing done) otherwise. Open MPI's launcher then ends every rank."""
-    MPI = _mpi()
-    try:
-        if not MPI.Is_initialized() or MPI.Is_finalized():
-            return False
-    except Exception:  # noqa: BLE001 - a broken MPI state: nothing to abort through
-        return False
-    MPI.COMM_WORLD.Abort(code & 0xFF or 1)
-    return True
