@@ -26,7 +26,7 @@ import torch
 from torch.autograd import Function
 
 from ..common import api as _api
-from ..common.api import Average, Max, Min, Product, Sum, global_process_set
+from ..common.api import Adasum, Average, Max, Min, Product, Sum, global_process_set
 from ..common.exceptions import InvalidArgumentError
 from . import collectives as _ops
 from .compression import spec_of
@@ -113,10 +113,14 @@ def allreduce(tensor: torch.Tensor, average: Any = None, name: str | None = None
               process_set: Any = global_process_set) -> torch.Tensor:
     """Average (default) or reduce ``tensor`` over all ranks; differentiable.
 
-    ``compression`` (e.g. ``Compression.fp16``) is applied by the engine to the wire format.
+    ``compression`` (e.g. ``Compression.fp16``) is applied by the engine to the wire format;
+    with ``op=Adasum`` a cast (fp16, bf16) is applied to the tensor itself, as in Horovod: the
+    Adasum combination runs in that dtype and the result is cast back.
     """
     op = _ops.handle_average_backwards_compatibility(op, average)
     spec = spec_of(compression)
+    if op is Adasum and spec in ("fp16", "bf16"):
+        spec = None     # Adasum combines what it is given: cast per tensor, as Horovod does
     if spec == "none" and not (tensor.requires_grad and torch.is_grad_enabled()):
         # nothing to differentiate (a metric, say): skip autograd.Function's ~40 us
         return _ops._allreduce_now(tensor, False, name, op, prescale_factor, postscale_factor,

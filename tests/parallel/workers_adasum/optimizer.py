@@ -130,15 +130,23 @@ t = torch.tensor([1.0, 0.0]) if R == 0 else torch.tensor([0.0, 2.0])
 assert torch.equal(hvd.allreduce(t, op=hvd.Adasum), torch.tensor([1.0, 2.0]))
 t = torch.tensor([2.0, 2.0])
 assert torch.equal(hvd.allreduce(t, op=hvd.Adasum, name="par"), t)
-# engine compression is refused; a per-tensor cast is Horovod's way (Adasum of float16 values)
-try:
-    hvd.allreduce(t, op=hvd.Adasum, compression=hvd.Compression.fp16)
-except InvalidArgumentError as exc:
-    assert "compression" in str(exc), exc
-else:
-    raise AssertionError("Compression.fp16 with Adasum should raise")
+# Compression.fp16 / .bf16 with Adasum are casts of the tensor itself, as in Horovod: the
+# Adasum formula runs on the float16 values and the result is cast back to float32
 half = hvd.allreduce(torch.tensor([1.0, 0.0]) if R == 0 else torch.tensor([0.0, 2.0]),
                      op=hvd.Adasum, compression=per_tensor(hvd.Compression.fp16))
 assert half.dtype == torch.float32 and torch.equal(half, torch.tensor([1.0, 2.0])), half
+gen = [torch.Generator().manual_seed(70 + r) for r in range(N)]
+vecs = [torch.randn(300, generator=g) for g in gen]
+for cast, wire in ((hvd.Compression.fp16, np.float16), (hvd.Compression.bf16, None)):
+    got = hvd.allreduce(vecs[R], op=hvd.Adasum, compression=cast, name=f"cast.{wire}")
+    assert got.dtype == torch.float32, got.dtype
+    assert torch.equal(got, hvd.allreduce(vecs[R], op=hvd.Adasum, compression=per_tensor(cast),
+                                          name=f"per_tensor.{wire}")), "differs from per_tensor"
+    if wire is not None:        # NumPy reference on the float16-rounded inputs, in float64
+        a, b = (v.numpy().astype(wire).astype(np.float64) for v in vecs)
+        dot, aa, bb = a @ b, a @ a, b @ b
+        want = (1 - dot / (2 * aa)) * a + (1 - dot / (2 * bb)) * b
+        err = np.abs(got.numpy() - want).max() / np.abs(want).max()
+        assert err < 2e-3, f"fp16 Adasum relative error {err:.3g}"
 hvd.shutdown()
 print("OK adasum optimizer", flush=True)
