@@ -38,9 +38,11 @@ shape's at the first call every member agreed on, so creations match in order; a
 call. Both are waited for alike: the request is tested in a loop for ~100 us, then
 with sleeps growing to 0.5 ms (a rank waiting for a late one takes no core from it). A wait
 warns every ``LCC_STALL_CHECK_TIME`` seconds and raises :class:`StallError` after
-``LCC_STALL_SHUTDOWN_TIME``; it raises :class:`ShutdownError` as soon as the engine learns that
+``LCC_STALL_SHUTDOWN_TIME``; it raises :class:`ShutdownError` when the engine learns that
 lightcc stopped on this rank or that a member shut down or exited (the coordinator announces
-gone ranks in its batches). A posted collective cannot be withdrawn, so after such an error
+gone ranks in its batches) and the request does not complete within ``GONE_GRACE_S`` after
+that (a member that finished this very call and then shut down is announced as gone, and the
+announcement can overtake its data). A posted collective cannot be withdrawn, so after such an error
 the set's direct path is closed on that rank and later calls raise the same error; the late
 ranks' matching call then fails after its own stall limit. In lazy mode (``LCC_OVERLAP``) the
 waiting thread also starts this rank's queued engine work, which the others may wait for.
@@ -65,6 +67,8 @@ log = logging.getLogger("lightcc")
 
 SPIN_S = 100e-6          # test in a loop this long before sleeping between tests
 MAX_PAUSE_S = 0.5e-3     # longest sleep between two tests of a request
+#: how long a request may still complete after a member was announced gone (see _completes)
+GONE_GRACE_S = 2.0
 _PIECE = 21              # bits per hash piece: m * sum(a^2) stays exact in int64 up to 2^20 ranks
 _REDUCE_DTYPES = ("float32", "float64", "int8", "uint8", "int16", "uint16", "int32", "int64")
 _BACKEND_OPS = ("sum", "min", "max", "prod", "band", "bor", "bxor")
@@ -276,7 +280,11 @@ class DirectPath:
             now = time.monotonic()
             if now < spin_until:        # MPI_Test releases the GIL; sleep(0) cost ~100 us
                 continue
-            self._check_engine(engine, plan, join_handle)
+            failed = self._engine_error(engine, plan, join_handle)
+            if failed is not None:
+                if self._completes(req):
+                    return
+                self._close(failed)
             if stall:
                 waited = now - start
                 if self.stall_shutdown > 0 and waited >= self.stall_shutdown:
@@ -292,22 +300,35 @@ class DirectPath:
             time.sleep(pause)
             pause = min(pause * 2, MAX_PAUSE_S)
 
-    def _check_engine(self, engine: Any, plan: _Plan | None, join_handle: Any) -> None:
+    def _engine_error(self, engine: Any, plan: _Plan | None,
+                      join_handle: Any) -> BaseException | None:
+        """The error to raise because lightcc stopped on this rank or a member left, or None."""
         what = self._what(plan)
         if engine._dead is not None:
-            self._close(LightCCError(f"{what}: lightcc's background thread stopped: "
-                                     f"{engine._dead}"))
+            return LightCCError(f"{what}: lightcc's background thread stopped: {engine._dead}")
         if engine._coordinator_gone:
-            self._close(ShutdownError(f"{what}: {engine._coordinator_gone}"))
+            return ShutdownError(f"{what}: {engine._coordinator_gone}")
         if engine._stopping:
-            self._close(ShutdownError(f"{what}: lightcc is shutting down on this rank"))
+            return ShutdownError(f"{what}: lightcc is shutting down on this rank")
         gone = engine.gone_ranks.intersection(self.ranks)
         if gone:
-            self._close(ShutdownError(f"{what}: rank{'s' if len(gone) > 1 else ''} "
-                                      f"{', '.join(map(str, sorted(gone)))} shut down or exited "
-                                      f"without making the matching call"))
+            return ShutdownError(f"{what}: rank{'s' if len(gone) > 1 else ''} "
+                                 f"{', '.join(map(str, sorted(gone)))} shut down or exited "
+                                 f"without making the matching call")
         if join_handle is not None and join_handle._done and join_handle._error is not None:
-            self._close(join_handle._error)
+            return join_handle._error
+        return None
+
+    @staticmethod
+    def _completes(req: Any) -> bool:
+        """Whether ``req`` completes within ``GONE_GRACE_S``: a rank that finished this call
+        and then shut down (or exited) may be announced before its data reached us."""
+        deadline = time.monotonic() + GONE_GRACE_S
+        while time.monotonic() < deadline:
+            if req.test():
+                return True
+            time.sleep(1e-3)
+        return req.test()
 
     def _close(self, exc: BaseException) -> None:
         self.closed = exc

@@ -109,4 +109,13 @@ MPI.COMM_WORLD.Barrier()
 lcc.init()
 assert lcc.allreduce(np.array([1]), op=lcc.Sum, name="last")[0] == N
 lcc.shutdown()
+
+# a small unnamed allreduce (the direct path) right before shutdown(), 30 times: the first rank
+# to finish it shuts down, and the announcement of that must not fail a rank whose copy of the
+# same call is still completing (it did, in 3 of 3 runs of 40 cycles at 2 ranks, before the fix)
+for cycle in range(30):
+    lcc.init()
+    got = lcc.allreduce(np.full(3, R + 1.0, np.float32), op=lcc.Sum)
+    assert (got == N * (N + 1) / 2).all(), (cycle, got)
+    lcc.shutdown()
 print(f"rank {R}: threads ok ({T} threads x {S} steps in {took:.1f} s)", flush=True)
