@@ -104,6 +104,7 @@ def summarize(docs: dict[int, dict], size: int | None = None) -> list[str]:
                      f"stuck outside Python)")
     # behind = a rank that never submitted a collective others wait in (oldest such first)
     blamed = False
+    late: str | None = None
     for key, waiters in sorted(pending.items(),
                                key=lambda kv: min(first_pending[r]["seq"] for r in kv[1]
                                                   if r in first_pending)):
@@ -112,6 +113,7 @@ def summarize(docs: dict[int, dict], size: int | None = None) -> list[str]:
         missing = [r for r in members if r not in waiters and
                    (r not in docs or key not in seen.get(r, set()))]
         if not missing:
+            late = late or _late_arrival(key, waiters, docs)
             continue
         rec = next(r for r in docs[waiters[0]]["records"]
                    if (r["pset"], r["coll"], r["name"]) == key)
@@ -119,10 +121,36 @@ def summarize(docs: dict[int, dict], size: int | None = None) -> list[str]:
                      f"{_describe(rec)}, which rank(s) {', '.join(map(str, waiters))} wait in")
         blamed = True
         break
-    if not blamed and pending:
+    if not blamed and late:
+        lines.append(late)
+    elif not blamed and pending:
         lines.append("lccrun: every rank that wrote a record submitted the collectives others "
                      "wait in (the wait is in the data plane, not a missing rank)")
     return lines
+
+
+#: a rank that submitted a collective this much later than the first rank is named as late
+LATE_S = 1.0
+
+
+def _late_arrival(key: tuple, waiters: list[int], docs: dict[int, dict]) -> str | None:
+    """Every member submitted ``key``, but one long after the others (it was busy elsewhere
+    while they waited, e.g. stopped and resumed): the line naming it, or None."""
+    when = {}
+    for rank in waiters:
+        rec = next((r for r in docs[rank]["records"]
+                    if (r["pset"], r["coll"], r["name"]) == key), None)
+        if rec is not None and rec.get("submitted") is not None:
+            when[rank] = float(rec["submitted"])
+    if len(when) < 2:
+        return None
+    first, last = min(when, key=when.get), max(when, key=when.get)
+    gap = when[last] - when[first]
+    if gap < LATE_S:
+        return None
+    rec = next(r for r in docs[last]["records"] if (r["pset"], r["coll"], r["name"]) == key)
+    return (f"lccrun: rank {last} was late: reached {_describe(rec)} {gap:.1f} s after rank "
+            f"{first}, while the others waited in it")
 
 
 if __name__ == "__main__":       # python -m lightcc.runner.flight_summary DIR (plain mpirun)

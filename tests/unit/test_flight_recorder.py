@@ -56,9 +56,9 @@ def test_no_directory_records_but_never_writes(tmp_path):
     assert rec.dump("x") is None and len(rec.snapshot()) == 1
 
 
-def _doc(rank, size, records, reason="SIGUSR1"):
+def _doc(rank, size, records, reason="SIGUSR1", submitted=0.0):
     rows = [{"seq": i, "coll": "allreduce", "name": n, "dtype": "float32", "shape": [2],
-             "pset": 0, "state": s, "error": None, "thread": 1, "submitted": 0.0,
+             "pset": 0, "state": s, "error": None, "thread": 1, "submitted": submitted,
              "finished": None, "age_s": 1.0} for i, (n, s) in enumerate(records)]
     return {"rank": rank, "size": size, "reason": reason, "records": rows, "threads": {}}
 
@@ -80,6 +80,20 @@ def test_summary_blames_a_silent_rank_and_says_when_nobody_is_missing():
     text = "\n".join(summarize(docs))
     assert "is behind" not in text and "data plane" in text, text
     assert summarize({}) == []
+
+
+def test_summary_names_a_rank_that_reached_the_collective_long_after_the_others():
+    """A rank stopped (SIGSTOP) and resumed by the launcher's teardown submits the collective
+    after the others gave up on it: every rank has it, but the summary names the late one."""
+    docs = {0: _doc(0, 3, [("b", "stalled")], submitted=100.0),
+            1: _doc(1, 3, [("b", "stalled")], submitted=100.2),
+            2: _doc(2, 3, [("b", "pending")], submitted=104.9)}
+    text = "\n".join(summarize(docs))
+    assert "rank 2 was late: reached allreduce 'b' (float32 2) 4.9 s after rank 0" in text, text
+    assert "data plane" not in text, text
+    docs[2] = _doc(2, 3, [("b", "pending")], submitted=100.4)      # within LATE_S: nobody
+    text = "\n".join(summarize(docs))
+    assert "late" not in text and "data plane" in text, text
 
 
 def test_read_records_skips_broken_files(tmp_path):
