@@ -101,3 +101,31 @@ def test_read_records_skips_broken_files(tmp_path):
     (tmp_path / "rank1.json").write_text("{half")
     (tmp_path / "rank1.json.tmp5").write_text("{}")
     assert list(read_records(str(tmp_path))) == [0]
+
+
+def test_sigusr1_writes_the_record_and_still_calls_the_programs_own_handler(tmp_path):
+    """The recorder chains onto a handler the program installed before init(), and a second
+    recorder (init after shutdown) does not chain onto the first one's handler."""
+    import faulthandler
+    import os
+    import signal
+    import time
+
+    calls = []
+    saved = signal.signal(signal.SIGUSR1, lambda s, f: calls.append(s))
+    try:
+        for n, sub in enumerate(("one", "two"), 1):
+            rec = FlightRecorder(rank=0, size=1, capacity=4, directory=str(tmp_path / sub))
+            rec.install_signal()
+            rec.record(_handle(f"h{n}"), 0.0)
+            os.kill(os.getpid(), signal.SIGUSR1)
+            time.sleep(0.05)                     # the handler runs between bytecodes
+            doc = json.loads((tmp_path / sub / "rank0.json").read_text())
+            assert doc["reason"] == "SIGUSR1" and doc["records"][0]["name"] == f"h{n}"
+            assert calls == [signal.SIGUSR1] * n, calls
+            if n == 1:
+                first = (tmp_path / "one" / "rank0.json").read_text()
+        assert (tmp_path / "one" / "rank0.json").read_text() == first   # not dumped again
+    finally:
+        faulthandler.unregister(signal.SIGUSR1)
+        signal.signal(signal.SIGUSR1, saved)

@@ -130,15 +130,27 @@ class FlightRecorder:
 
     # ---- signals ------------------------------------------------------------------------------
     def install_signal(self) -> None:
-        """SIGUSR1 writes the record (main thread only; a no-op elsewhere), and faulthandler
-        appends C-level stacks to ``rank<N>.stacks`` for threads Python cannot interrupt."""
+        """SIGUSR1 writes the record (main thread only; a no-op elsewhere) and then calls the
+        handler the program had installed, if any; faulthandler appends C-level stacks to
+        ``rank<N>.stacks`` for threads Python cannot interrupt."""
         if not self.directory or threading.current_thread() is not threading.main_thread():
             return
         try:
             os.makedirs(self.directory, exist_ok=True)
             with open(os.path.join(self.directory, f"rank{self.rank}.pid"), "w") as f:
                 f.write(str(os.getpid()))
-            signal.signal(signal.SIGUSR1, lambda _s, _f: self.dump("SIGUSR1"))
+            previous = signal.getsignal(signal.SIGUSR1)
+            if getattr(previous, "_lightcc_flight", False):
+                previous = getattr(previous, "_chained", None)  # a re-init: not ours again
+
+            def on_usr1(signum: int, frame: Any) -> None:
+                self.dump("SIGUSR1")
+                if callable(previous):        # the program's own handler runs too
+                    previous(signum, frame)
+
+            on_usr1._lightcc_flight = True          # type: ignore[attr-defined]
+            on_usr1._chained = previous             # type: ignore[attr-defined]
+            signal.signal(signal.SIGUSR1, on_usr1)
             self._stacks_file = open(  # noqa: SIM115 - stays open for faulthandler
                 os.path.join(self.directory, f"rank{self.rank}.stacks"), "w")
             faulthandler.register(signal.SIGUSR1, file=self._stacks_file, all_threads=True,
