@@ -138,7 +138,8 @@ KNOBS: tuple[Knob, ...] = (
          "go through the engine. They rely on the call order, as Horovod's generated names do. "
          "Needs MPI_THREAD_MULTIPLE; 0 sends them all through the engine alone.", _min(0)),
     Knob("algorithm", "LCC_ALGORITHM", lambda t: t.strip().lower(), "auto", "",
-         "Allreduce algorithm: auto, flat, ring, hierarchical, 2d, tree.", _algorithm_ok),
+         "Allreduce algorithm: auto, flat, native, ring, hierarchical, 2d, tree.",
+         _algorithm_ok),
     Knob("auto_small_bytes", "LCC_AUTO_SMALL_BYTES", _parse_int, 64 * 1024, "bytes",
          "algorithm=auto uses the small-message algorithm (the native call) below this size.",
          _min(0)),
@@ -146,9 +147,10 @@ KNOBS: tuple[Knob, ...] = (
          "algorithm=auto uses the multi-node algorithm from this size on jobs with several "
          "nodes of several ranks.", _min(0)),
     Knob("auto_multi_node", "LCC_AUTO_MULTI_NODE", lambda t: t.strip().lower(),
-         "hierarchical", "",
+         "native", "",
          "algorithm=auto's choice for host buffers on several equal nodes of several ranks "
-         "(hierarchical, 2d, or flat = Open MPI's own han); one rank per node uses ring.",
+         "(native = one call of Open MPI's own allreduce, its han component; hierarchical, "
+         "2d, flat); one rank per node uses ring.",
          lambda v: "must be a concrete algorithm, not auto" if v == "auto" else _algorithm_ok(v)),
     Knob("ring_chunk_bytes", "LCC_RING_CHUNK_BYTES", _parse_int, 1 << 20, "bytes",
          "Pipeline chunk of the ring and 2d algorithms.", _min(1)),

@@ -40,8 +40,8 @@ MB = 1 << 20
     (4, 1, 128 * 1024, "flat"),        # ... unless below the multi-node threshold
     (2, 1, 4 * MB, "flat"),            # ... or below the ring threshold (8 MB)
     (2, 1, 8 * MB, "ring"),
-    (4, 2, 100 * MB, "hierarchical"),  # 2 x 2, large, host buffers (pipelined hierarchical)
-    (8, 4, 1 * MB, "hierarchical"),    # 2 x 4, medium
+    (4, 2, 100 * MB, "native"),        # 2 x 2, large, host buffers: Open MPI's han
+    (8, 4, 1 * MB, "native"),          # 2 x 4, medium
     (4, 2, 1024, "flat"),              # small: latency-bound
     (4, 2, 0, "flat"),                 # empty
     (3, 2, 100 * MB, "flat"),          # uneven 2 + 1, host buffers: the native call
@@ -83,11 +83,12 @@ def test_thresholds_are_overridable():
 
 def test_explicit_names_pass_through_and_unknown_fails():
     t = topo(4, 2)
-    for name in ("flat", "ring", "hierarchical", "2d", "tree"):
+    for name in ("flat", "ring", "hierarchical", "2d", "tree", "native"):
         assert algorithms.choose(name, 123, t) == name
     with pytest.raises(ValueError, match="unknown algorithm 'nope'"):
         algorithms.choose("nope", 1, t)
-    assert algorithms.available_algorithms() == ["auto", "2d", "flat", "hierarchical", "ring", "tree"]
+    assert algorithms.available_algorithms() == ["auto", "2d", "flat", "hierarchical", "native",
+                                                 "ring", "tree"]
 
 
 @pytest.mark.parametrize("counts,itemsize,want", [

@@ -4,9 +4,11 @@
 buffer over the world in place using the named algorithm, letting the compressor (if any)
 carry the data that crosses the slowest link.
 
-Algorithms (docs/topology.md): ``flat`` (backend native), ``ring`` (pipelined ring of
-lightcc's own), ``hierarchical`` (node reduce-scatter / cross allreduce / node allgather),
-``2d`` (the same grid with pipelined rings in both dimensions), ``tree`` (recursive doubling).
+Algorithms (docs/topology.md): ``flat`` (backend native, in ``LCC_MPI_CHUNK_BYTES`` pieces),
+``native`` (one call of the backend's own allreduce for the whole buffer: Open MPI's han or
+tuned), ``ring`` (pipelined ring of lightcc's own), ``hierarchical`` (node reduce-scatter /
+cross allreduce / node allgather), ``2d`` (the same grid with pipelined rings in both
+dimensions), ``tree`` (recursive doubling).
 
 ``auto`` (:func:`choose`) picks by buffer size and topology using :data:`THRESHOLDS`, which
 the autotuner (or a user) may change with :func:`set_thresholds`.
@@ -19,7 +21,7 @@ from typing import Any, Callable
 
 from ..compression.base import BucketContext, Compressor
 from ..topology import Topology
-from . import adasum, flat, hierarchical, ring, tree, twod
+from . import adasum, flat, hierarchical, native, ring, tree, twod
 
 Algorithm = Callable[[Any, str, Topology, "Compressor | None", BucketContext], None]
 
@@ -29,6 +31,7 @@ _REGISTRY: dict[str, Algorithm] = {
     "hierarchical": hierarchical.allreduce,
     "2d": twod.allreduce,
     "tree": tree.allreduce,
+    "native": native.allreduce,
 }
 
 
@@ -45,20 +48,22 @@ class AutoThresholds:
       of a 1 Gbit line at 16-64 MB where Open MPI's allreduce collapsed to 51-56 %; at 1-4 MB
       Open MPI's was as fast or steadier, 86-95 % against the ring's 77-95 %, docs/topology.md);
     - several nodes with several ranks each, at or above ``hierarchical_bytes``:
-      ``multi_node`` for host (MPI) buffers — ``hierarchical``, pipelined in 128 KB pieces:
-      on 2 x 2 simulated hosts it matched Open MPI 5's own hierarchical component (han) at
-      1 Gbit (1.41-1.47 Gbit/s bus bandwidth for 1-64 MB, han 1.42-1.49) and at 10 Gbit was
-      as fast as han or faster (4.6-5.6 vs 4.0-5.9; both CPU-bound on 2 cores, where ``2d``
-      reached 9.5-14) — and ``multi_node_device`` (``hierarchical``, native NCCL
-      phases) for device buffers. Host buffers on nodes of different sizes use ``flat`` (the
-      leader scheme sends everything over one connection per node pair). Below the
-      threshold ``flat``.
+      ``multi_node`` for host (MPI) buffers — ``native``: one ``MPI_Allreduce`` of the whole
+      buffer, so Open MPI's han (hierarchical, in C) runs it: lightcc's own pipelined
+      ``hierarchical`` had matched han on a quiet machine (2 x 2 simulated hosts, 1 Gbit,
+      1.41-1.47 Gbit/s bus bandwidth for 1-64 MB, han 1.42-1.49) but lost to it by 8 % in
+      issue 29's measurement and by 1.5-2x when the cores were busy (its 128 KB pieces are
+      Python-level steps; docs/topology.md) — and ``multi_node_device`` (``hierarchical``,
+      native NCCL phases) for device buffers. Host buffers on nodes of different sizes use
+      ``flat`` (the leader scheme sends everything over one connection per node pair). Below
+      the threshold ``flat``. A compressed bucket under ``native`` takes ``hierarchical``'s
+      scheme (the compressor on the cross-node phase only).
     """
 
     small_bytes: int = 64 * 1024
     small: str = "flat"
     hierarchical_bytes: int = 256 * 1024
-    multi_node: str = "hierarchical"
+    multi_node: str = "native"
     multi_node_device: str = "hierarchical"
     single_rank_nodes: str = "ring"
     single_rank_bytes: int = 8 * 1024 * 1024

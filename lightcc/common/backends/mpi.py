@@ -155,13 +155,28 @@ class MPICommunicator:
 
     @_timed("allreduce")
     def allreduce(self, buf: np.ndarray, op: str = "sum") -> None:
+        """Reduce ``buf`` in place in calls of at most ``chunk_bytes`` (0: one call)."""
+        self._allreduce(buf, op, self.chunk_bytes)
+
+    @_timed("native_allreduce")
+    def native_allreduce(self, buf: np.ndarray, op: str = "sum") -> None:
+        """One ``MPI_Allreduce`` of the whole buffer (pieces only past MPI's int counts), so
+        Open MPI's coll framework (han, tuned) chooses the algorithm for the whole message,
+        where :meth:`allreduce` makes ``chunk_bytes`` calls. ``ValueError`` for an op that
+        MPI has no predefined operation for."""
+        if op not in _OPS:
+            raise ValueError(f"the native algorithm cannot reduce with op {op!r}: MPI's "
+                             f"allreduce has {', '.join(_OPS)}")
+        self._allreduce(buf, op, 0)
+
+    def _allreduce(self, buf: np.ndarray, op: str, chunk_bytes: int) -> None:
         MPI = _mpi()
         flat = buf.reshape(-1)
         mtype = self._mpi_type(flat.dtype)
         mop = _mpi_op(op)
         step = MAX_CHUNK_ELEMS
-        if self.chunk_bytes > 0:
-            step = max(1, min(step, self.chunk_bytes // flat.itemsize))
+        if chunk_bytes > 0:
+            step = max(1, min(step, chunk_bytes // flat.itemsize))
         for start in range(0, max(flat.size, 1), step):
             part = flat[start:start + step]
             if part.size:

@@ -3,7 +3,7 @@
 Usage: check_algorithms.py LOCAL_SIZE [--quick] (LOCAL_SIZE 0: nodes from host names, as on
 the simulated hosts of tests/netns). Every rank builds every rank's input from a
 seed, so the reference is computed locally without MPI. Also checks that all ranks hold
-bit-identical results, that a compressor sees only the cross communicator (hierarchical, 2d)
+bit-identical results, that a compressor sees only the cross communicator (hierarchical, 2d, native)
 or the world (flat, ring, tree), and that ``allreduce(..., "auto")`` runs what ``choose`` says.
 Exits non-zero with a message naming the case on the first failure.
 """
@@ -21,11 +21,12 @@ from lightcc.common.arrays import displacements, even_counts
 from lightcc.common.backends.mpi import MPICommunicator
 from lightcc.common.compression.base import BucketContext
 
-ALGOS = ["flat", "ring", "hierarchical", "2d", "tree"]
+ALGOS = ["flat", "ring", "hierarchical", "2d", "tree", "native"]
 OPS = ["sum", "min", "max", "prod"]
 DTYPES = [np.float32, np.float64, np.int32, np.int64]
 SIZES = [0, 1, 2, 7, 1003]
 LARGE = 1_000_003
+BITWISE = {"band": np.bitwise_and, "bor": np.bitwise_or, "bxor": np.bitwise_xor}
 
 
 class RecordingCompressor:
@@ -53,6 +54,8 @@ class RecordingCompressor:
 
 def make_input(rank: int, n: int, dtype, op: str, case: int) -> np.ndarray:
     rng = np.random.default_rng([rank, n, case])
+    if op in BITWISE:
+        return rng.integers(0, 256, size=n).astype(dtype)
     if op == "prod":
         return rng.choice(np.array([1, -1, 2, 1], dtype=dtype), size=n)
     if np.issubdtype(dtype, np.integer):
@@ -63,6 +66,8 @@ def make_input(rank: int, n: int, dtype, op: str, case: int) -> np.ndarray:
 def reference(p: int, n: int, dtype, op: str, case: int) -> np.ndarray:
     stack = np.stack([make_input(r, n, dtype, op, case) for r in range(p)]) if n else \
         np.zeros((p, 0), dtype)
+    if op in BITWISE:
+        return BITWISE[op].reduce(stack, axis=0).astype(dtype)
     fn = {"sum": np.sum, "prod": np.prod, "min": np.min, "max": np.max}[op]
     return fn(stack, axis=0).astype(dtype)
 
@@ -136,6 +141,41 @@ def main() -> None:
             for op, dtype in (("sum", np.float32), ("max", np.int64), ("sum", np.float64)):
                 case += 1
                 check(topo, algo, op, dtype, LARGE, case, ctx)
+    # native: the bitwise ops (bool buckets travel as uint8) in one MPI call each, whatever
+    # the MPI chunk size, and a clear error, on every rank, for an op MPI cannot do
+    saved_chunk = topo.world.chunk_bytes
+    topo.world.chunk_bytes = 256          # native ignores it: one call for the whole buffer
+    for op in BITWISE:
+        for dtype in (np.uint8, np.int32, np.int64):
+            for n in (0, 1, 7, 1003, 40_000):
+                case += 1
+                check(topo, "native", op, dtype, n, case, ctx)
+    calls = []
+
+    class Counting:            # the world's mpi4py communicator, counting Allreduce calls
+        def __init__(self, comm) -> None:
+            self.comm = comm
+
+        def __getattr__(self, name):
+            return getattr(self.comm, name)
+
+        def Allreduce(self, *args, **kwargs):
+            calls.append(1)
+            return self.comm.Allreduce(*args, **kwargs)
+
+    topo.world.comm = Counting(topo.world.comm)
+    case += 1
+    check(topo, "native", "sum", np.float32, 40_000, case, ctx)
+    topo.world.comm = topo.world.comm.comm
+    if len(calls) != 1:
+        fail(f"native made {len(calls)} MPI_Allreduce calls for 160 KB, expected 1")
+    topo.world.chunk_bytes = saved_chunk
+    try:
+        algorithms.get("native")(np.ones(4, np.float32), "adasum", topo, None, ctx)
+        fail("native accepted op 'adasum'")
+    except ValueError as exc:
+        if "native algorithm cannot reduce with op 'adasum'" not in str(exc):
+            fail(f"native's error for op adasum: {exc}")
     # tiny chunks: many chunks in flight on small buffers
     comms = (topo.world, topo.local, topo.cross)
     saved = [c.ring_chunk_bytes for c in comms]
