@@ -61,17 +61,22 @@ def drive(steps: Steps) -> None:
 
 def _ring_pass(comm: Communicator, buf: Any, counts: Sequence[int], op: str | None,
                send_seg: Callable[[int], int], recv_seg: Callable[[int], int],
-               tag_base: int = 0) -> Steps:
-    """``size - 1`` ring steps; received chunks are reduced into ``buf`` (``op``) or stored.
+               tag_base: int = 0, nsteps: int | None = None,
+               reduce_steps: int | None = None) -> Steps:
+    """``nsteps`` (default ``size - 1``) ring steps; a chunk received in one of the first
+    ``reduce_steps`` steps (default all) is reduced into ``buf`` (``op``), later ones stored.
 
     At step ``t`` this rank sends segment ``send_seg(t)`` to the right and receives segment
     ``recv_seg(t)`` from the left; ``send_seg(t + 1) == recv_seg(t)`` so each chunk is
-    forwarded right after it arrives. Chunk ``c`` uses tag ``tag_base + c``. The
-    communicator's ``progress`` hook (if any) runs once per chunk and step.
+    forwarded right after it arrives. Chunk ``c`` uses tag ``tag_base + c`` and moves through
+    its steps on its own: chunk 0 may be in its allgather steps while chunk 5 is still being
+    reduced. The communicator's ``progress`` hook (if any) runs once per chunk and step.
     """
     p, r = comm.size, comm.rank
     if p == 1:
         return
+    nsteps = p - 1 if nsteps is None else nsteps
+    reduce_steps = nsteps if reduce_steps is None or op is None else reduce_steps
     right, left = (r + 1) % p, (r - 1) % p
     k = num_chunks(counts, buf.dtype.itemsize, getattr(comm, "ring_chunk_bytes", None))
     sizes, starts = sub_blocks(counts, k)
@@ -89,25 +94,25 @@ def _ring_pass(comm: Communicator, buf: Any, counts: Sequence[int], op: str | No
         out = piece(send_seg(t), c)
         into = piece(recv_seg(t), c)
         if into.size:
-            target = scratch[c][:into.size] if op is not None else into
+            target = scratch[c][:into.size] if t < reduce_steps and op is not None else into
             recvs[c] = comm.irecv(target, left, tag=tag_base + c)
         if out.size:
             sends[c] = comm.isend(out, right, tag=tag_base + c)
 
     for c in range(k):
         post(0, c)
-    for t in range(p - 1):
+    for t in range(nsteps):
         for c in range(k):
             if recvs[c] is not None:
                 yield from _until_done(recvs[c])
                 recvs[c] = None
-                if op is not None:
+                if op is not None and t < reduce_steps:
                     into = piece(recv_seg(t), c)
                     reduce_into(into, scratch[c][:into.size], op)
             if sends[c] is not None:
                 yield from _until_done(sends[c])
                 sends[c] = None
-            if t + 1 < p - 1:
+            if t + 1 < nsteps:
                 post(t + 1, c)
             if progress is not None:
                 progress()
@@ -146,9 +151,15 @@ def ring_allreduce_steps(comm: Communicator, buf: Any, op: str, tag_base: int = 
     """Ring steps of :func:`ring_allreduce` (tags ``tag_base .. tag_base + MAX_CHUNKS - 1``)."""
     if comm.size == 1 or buf.size == 0:
         return
-    counts = even_counts(buf.size, comm.size)
-    yield from reduce_scatter_steps(comm, buf, counts, op, tag_base)
-    yield from allgather_steps(comm, buf, counts, tag_base)
+    # one pass of 2(p - 1) steps: reduce-scatter steps (segment r - t - 1 out, r - t - 2 in),
+    # then allgather steps, which continue the same arithmetic (the segment a chunk finished
+    # reducing in step p - 2 is segment r, the first one the allgather sends), so each chunk
+    # starts its allgather as soon as it is reduced instead of after every chunk is: the link
+    # no longer drains between the two phases
+    p, r = comm.size, comm.rank
+    counts = even_counts(buf.size, p)
+    yield from _ring_pass(comm, buf, counts, op, lambda t: (r - t - 1) % p,
+                          lambda t: (r - t - 2) % p, tag_base, 2 * (p - 1), p - 1)
 
 
 def ring_allreduce(comm: Communicator, buf: Any, op: str) -> None:
