@@ -4,6 +4,17 @@ torch.distributed (gloo), side by side, in one run.
 
     lccrun -np 2 python benchmarks/allreduce.py            # or: mpirun -np 2 python ...
     lccrun -np 2 python benchmarks/allreduce.py --max-size 64MB --quick
+    # 2 simulated hosts at 1 Gbit (root; tests/netns): lightcc's auto and native algorithms,
+    # Open MPI's allreduce, gloo, and the line rate (raw TCP and MPI Sendrecv), same run
+    python tests/netns/simhosts.py --ranks-per-host 1 -- benchmarks/allreduce.py \
+        --sizes 4MB,16MB --algorithms auto,native --line-rate --rounds 3
+
+``--algorithms`` runs the named lightcc column once per algorithm (``init(algorithm=...)``
+each time); ``--rounds`` repeats every column that often, interleaved, and reports the median
+of the rounds' p50s. ``--line-rate`` adds what the link carries outside any collective: each
+rank sends the bytes a bandwidth-optimal allreduce sends (``2(n-1)/n`` x size) to the next
+rank while receiving as much from the previous one, over a plain TCP socket (iperf-style) and
+with ``MPI_Sendrecv``; their "bus bandwidth" is the most an allreduce can reach.
 
 Bus bandwidth = 2(n-1)/n * bytes / time (the usual NCCL-tests definition). p50 over the
 timed iterations; the number of iterations per size adapts to a time budget. Rank 0 prints
@@ -15,10 +26,13 @@ import argparse
 import os
 import socket
 import sys
+import threading
 import time
 
 import numpy as np
-from mpi4py import MPI
+
+import lightcc as lcc     # before mpi4py: lightcc sets its Open MPI parameters before MPI starts
+from mpi4py import MPI  # noqa: E402
 
 SIZES = [4, 64, 1 << 10, 16 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20, 256 << 20]
 
@@ -47,66 +61,152 @@ def timed(fn, nbytes: int, budget: float, comm) -> float:
     return float(np.median(samples))
 
 
-def gloo_group(rank: int, size: int):
+def iface_addr(name: str) -> str:
+    """The IPv4 address of interface ``name`` (Linux), or 127.0.0.1 when it has none."""
+    import fcntl
+    import struct
+
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            packed = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name.encode()[:15]))
+        return socket.inet_ntoa(packed[20:24])               # SIOCGIFADDR
+    except OSError:
+        return "127.0.0.1"
+
+
+def gloo_group(rank: int, size: int, addr: str, iface: str):
     try:
         import torch
         import torch.distributed as dist
     except ImportError:
         return None, None
-    port = MPI.COMM_WORLD.bcast(_free_port() if rank == 0 else None, root=0)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+    if addr != "127.0.0.1":
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", iface)
+    port = MPI.COMM_WORLD.bcast(_free_port(addr) if rank == 0 else None, root=0)
+    master = MPI.COMM_WORLD.bcast(addr, root=0)
+    dist.init_process_group("gloo", init_method=f"tcp://{master}:{port}", rank=rank,
                             world_size=size)
     return torch, dist
 
 
-def _free_port() -> int:
+def _free_port(addr: str = "127.0.0.1") -> int:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((addr, 0))
         return s.getsockname()[1]
+
+
+class LineRate:
+    """Raw exchanges around the ring (rank r sends to r + 1, receives from r - 1): a TCP socket
+    pair and ``MPI_Sendrecv``, each moving the bytes a bandwidth-optimal allreduce sends."""
+
+    def __init__(self, comm, addr: str) -> None:
+        self.comm = comm
+        listener = socket.socket()
+        listener.bind((addr, 0))
+        listener.listen(1)
+        peers = comm.allgather((addr, listener.getsockname()[1]))
+        n, r = comm.size, comm.rank
+        self.right, self.left = (r + 1) % n, (r - 1) % n
+        self.out = socket.create_connection(peers[self.right])
+        self.inc, _ = listener.accept()
+        listener.close()
+
+    def tcp(self, send: np.ndarray, recv: np.ndarray) -> None:
+        sender = threading.Thread(target=self.out.sendall, args=(memoryview(send).cast("B"),))
+        sender.start()
+        view, got = memoryview(recv).cast("B"), 0
+        while got < view.nbytes:
+            got += self.inc.recv_into(view[got:])
+        sender.join()
+
+    def mpi(self, send: np.ndarray, recv: np.ndarray) -> None:
+        self.comm.Sendrecv([send, MPI.BYTE], self.right, 77, [recv, MPI.BYTE], self.left, 77)
+
+    def close(self) -> None:
+        self.out.close()
+        self.inc.close()
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--max-size", default="256MB", help="largest message (default 256MB)")
+    ap.add_argument("--sizes", default="", help="comma-separated sizes instead (e.g. 4MB,16MB)")
     ap.add_argument("--budget", type=float, default=0.4, help="seconds per size and library")
     ap.add_argument("--quick", action="store_true", help="short run (budget 0.1 s)")
     ap.add_argument("--no-gloo", action="store_true", help="skip torch.distributed")
+    ap.add_argument("--algorithms", default="",
+                    help="LCC_ALGORITHM values for the named lightcc column, comma separated "
+                         "(default: the environment's, usually auto)")
+    ap.add_argument("--line-rate", action="store_true",
+                    help="add raw TCP and MPI_Sendrecv exchanges of the same bytes")
+    ap.add_argument("--no-unnamed", action="store_true",
+                    help="skip the unnamed lightcc columns")
+    ap.add_argument("--rounds", type=int, default=1, help="repeat every column (median)")
+    ap.add_argument("--iface", default="lcc0",
+                    help="interface for gloo and the raw TCP exchange when it exists "
+                         "(the simulated hosts' link), else loopback")
     args = ap.parse_args()
     budget = 0.1 if args.quick else args.budget
-    import lightcc as lcc
-
-    lcc.init()
+    algos = [a for a in args.algorithms.split(",") if a] or [None]
     comm = MPI.COMM_WORLD
     rank, n = comm.rank, comm.size
-    torch, dist = (None, None) if args.no_gloo else gloo_group(rank, n)
-    sizes = [s for s in SIZES if s <= parse_size(args.max_size)]
+    addr = iface_addr(args.iface)
+    torch, dist = (None, None) if args.no_gloo else gloo_group(rank, n, addr, args.iface)
+    line = LineRate(comm, addr) if args.line_rate else None
+    if args.sizes:
+        sizes = [parse_size(s) for s in args.sizes.split(",")]
+    else:
+        sizes = [s for s in SIZES if s <= parse_size(args.max_size)]
+    samples: dict[tuple[int, str], list[float]] = {}
+    for _ in range(args.rounds):
+        for algo in algos:
+            lcc.init(**({"algorithm": algo} if algo else {}))
+            col = "lightcc" if algo is None else f"lightcc[{algo}]"
+            for nbytes in sizes:
+                x = np.random.default_rng(rank).random(max(1, nbytes // 4), dtype=np.float32)
+                out = np.empty_like(x)
+                samples.setdefault((nbytes, col), []).append(timed(
+                    lambda: lcc.allreduce(x, op=lcc.Sum, name="bench", out=out), nbytes,
+                    budget, comm))
+                if algo is algos[0] and not args.no_unnamed:
+                    # unnamed, as most Horovod scripts call it for metrics (matched by order)
+                    samples.setdefault((nbytes, "lightcc-unnamed"), []).append(timed(
+                        lambda: lcc.allreduce(x, op=lcc.Sum, out=out), nbytes, budget, comm))
+                    if dist is not None:
+                        import lightcc.torch as lcc_torch
+
+                        t = torch.from_numpy(x.copy())
+                        # the Horovod-style torch API, unnamed (hvd.allreduce(tensor))
+                        samples.setdefault((nbytes, "lightcc.torch-unnamed"), []).append(timed(
+                            lambda: lcc_torch.allreduce(t, op=lcc.Sum), nbytes, budget, comm))
+            lcc.shutdown()
+        for nbytes in sizes:
+            x = np.random.default_rng(rank).random(max(1, nbytes // 4), dtype=np.float32)
+            out = np.empty_like(x)
+            samples.setdefault((nbytes, "mpi4py"), []).append(timed(
+                lambda: comm.Allreduce(x, out, op=MPI.SUM), nbytes, budget, comm))
+            if dist is not None:
+                t = torch.from_numpy(x.copy())
+                samples.setdefault((nbytes, "gloo"), []).append(timed(
+                    lambda: dist.all_reduce(t), nbytes, budget, comm))
+            if line is not None and n > 1:
+                moved = np.ones(max(1, 2 * (n - 1) * nbytes // n), np.uint8)
+                into = np.empty_like(moved)
+                for name, fn in (("tcp", line.tcp), ("sendrecv", line.mpi)):
+                    samples.setdefault((nbytes, name), []).append(timed(
+                        lambda: fn(moved, into), nbytes, budget, comm))
+            if rank == 0:
+                print(f"  measured {nbytes} B", file=sys.stderr, flush=True)
     rows = []
     for nbytes in sizes:
-        x = np.random.default_rng(rank).random(max(1, nbytes // 4), dtype=np.float32)
-        out = np.empty_like(x)
-        res = {}
-        res["lightcc"] = timed(lambda: lcc.allreduce(x, op=lcc.Sum, name="bench", out=out),
-                               nbytes, budget, comm)
-        # unnamed, as most Horovod scripts call it for metrics (matched by call order)
-        res["lightcc-unnamed"] = timed(lambda: lcc.allreduce(x, op=lcc.Sum, out=out),
-                                       nbytes, budget, comm)
-        res["mpi4py"] = timed(lambda: comm.Allreduce(x, out, op=MPI.SUM), nbytes, budget, comm)
-        if dist is not None:
-            t = torch.from_numpy(x.copy())
-            import lightcc.torch as lcc_torch
-
-            # the Horovod-style torch API, unnamed (hvd.allreduce(tensor) in a script)
-            res["lightcc.torch-unnamed"] = timed(lambda: lcc_torch.allreduce(t, op=lcc.Sum),
-                                                 nbytes, budget, comm)
-            res["gloo"] = timed(lambda: dist.all_reduce(t), nbytes, budget, comm)
-        rows.append((nbytes, res))
-        if rank == 0:
-            print(f"  measured {nbytes} B", file=sys.stderr, flush=True)
+        rows.append((nbytes, {col: float(np.median(v)) for (b, col), v in samples.items()
+                              if b == nbytes}))
     if rank == 0:
         print_table(rows, n)
+    if line is not None:
+        line.close()
     if dist is not None:
         dist.destroy_process_group()
-    lcc.shutdown()
 
 
 def fmt_size(n: int) -> str:
@@ -117,27 +217,36 @@ def fmt_size(n: int) -> str:
 
 
 def print_table(rows, n: int) -> None:
-    libs = [k for k in ("lightcc", "lightcc-unnamed", "lightcc.torch-unnamed", "mpi4py", "gloo")
-            if k in rows[0][1]]
-    peers = [lib for lib in libs if not lib.startswith("lightcc")]
+    first = rows[0][1]
+    libs = [k for k in first if k.startswith("lightcc")]
+    peers = [k for k in ("mpi4py", "gloo") if k in first]
+    bounds = [k for k in ("tcp", "sendrecv") if k in first]
+    cols = libs + peers + bounds
     factor = 2 * (n - 1) / n
-    head = ["size"] + [f"{lib} p50 us" for lib in libs] + [f"{lib} busbw GB/s" for lib in libs]
-    head += [f"lightcc/{lib} bw" for lib in peers]
-    if "gloo" in peers:
+    head = ["size"] + [f"{c} p50 us" for c in cols] + [f"{c} busbw GB/s" for c in cols]
+    head += [f"{lib}/{peer} bw" for lib in libs if "unnamed" not in lib for peer in peers]
+    if bounds:
+        head += [f"{c} % of tcp" for c in libs + peers if "unnamed" not in c]
+    if "gloo" in peers and "lightcc-unnamed" in first:
         head += ["unnamed p50 / gloo p50", "torch unnamed p50 / gloo p50"]
     print(f"allreduce float32 sum, {n} ranks, host {socket.gethostname()}, "
-          f"pid-local time, p50")
+          f"pid-local time, p50 (median over rounds)")
     print("| " + " | ".join(head) + " |")
     print("|" + "---|" * len(head))
     for nbytes, res in rows:
-        lat = [f"{res[lib] * 1e6:.1f}" for lib in libs]
-        bw = [factor * nbytes / res[lib] / 1e9 for lib in libs]
-        ratio = [f"{bw[0] / bw[libs.index(lib)]:.2f}x" for lib in peers]
-        if "gloo" in peers:
-            ratio.append(f"{res['lightcc-unnamed'] / res['gloo']:.2f}x")
-            ratio.append(f"{res['lightcc.torch-unnamed'] / res['gloo']:.2f}x")
-        print("| " + " | ".join([fmt_size(nbytes), *lat, *(f"{b:.2f}" for b in bw), *ratio])
-              + " |")
+        lat = [f"{res[c] * 1e6:.1f}" for c in cols]
+        bw = {c: factor * nbytes / res[c] / 1e9 for c in cols}
+        cells = [fmt_size(nbytes), *lat, *(f"{bw[c]:.3f}" for c in cols)]
+        cells += [f"{bw[lib] / bw[peer]:.2f}x" for lib in libs if "unnamed" not in lib
+                  for peer in peers]
+        if bounds:
+            cells += [f"{100 * bw[c] / bw['tcp']:.0f} %" for c in libs + peers
+                      if "unnamed" not in c]
+        if "gloo" in peers and "lightcc-unnamed" in res:
+            cells.append(f"{res['lightcc-unnamed'] / res['gloo']:.2f}x")
+            if "lightcc.torch-unnamed" in res:
+                cells.append(f"{res['lightcc.torch-unnamed'] / res['gloo']:.2f}x")
+        print("| " + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":

@@ -185,6 +185,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rate", default="1gbit", help="tbf rate per link, e.g. 1gbit, 10gbit")
     parser.add_argument("--ranks-per-host", type=int, default=1)
     parser.add_argument("--num-links", type=int, default=2)
+    parser.add_argument("--btl", default="tcp,sm,self",
+                        help="Open MPI btl list (default tcp,sm,self: shared memory between "
+                             "the ranks of one simulated host, as on a real one)")
     parser.add_argument("cmd", nargs=argparse.REMAINDER, help="-- program and arguments")
     args = parser.parse_args(argv)
     reason = unavailable_reason()
@@ -193,7 +196,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     cmd = [c for c in args.cmd if c != "--"] or ["hostname"]
     with SimHosts(args.hosts, args.rate) as sim:
-        res = sim.run(args.ranks_per_host, cmd, num_links=args.num_links, timeout=3600)
+        res = sim.run(args.ranks_per_host, cmd, num_links=args.num_links, timeout=3600,
+                      btl=args.btl)
         sys.stdout.write(res.stdout)
         return res.returncode
 
