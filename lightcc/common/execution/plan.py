@@ -19,6 +19,9 @@ from .fusion import effective_compression
 from .group import Group
 from .shared import prod, reduce_dtype
 
+#: algorithms that are one MPI call, with no Python code of their own that could raise on one
+#: rank: a plain bucket of theirs needs no agreement (docs/reliability.md)
+NO_AGREEMENT = ("flat", "native")
 #: collectives that move data, so a rank may fail in them alone
 _DATA = (Coll.ALLREDUCE, Coll.ALLGATHER, Coll.BROADCAST, Coll.ALLTOALL, Coll.REDUCESCATTER)
 
@@ -69,5 +72,5 @@ def make(group: Group, resps: list[Response]) -> BucketPlan:
     except Exception as exc:      # an unknown algorithm fails on every rank alike
         plan.error = exc
     plan.agreed = (faults.enabled() or plan.compressor is not None or plan.error is not None
-                   or plan.algorithm != "flat")
+                   or plan.algorithm not in NO_AGREEMENT)
     return plan
