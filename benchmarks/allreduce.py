@@ -10,8 +10,10 @@ torch.distributed (gloo), side by side, in one run.
         --sizes 4MB,16MB --algorithms auto,native --line-rate --rounds 3
 
 ``--algorithms`` runs the named lightcc column once per algorithm (``init(algorithm=...)``
-each time); ``--rounds`` repeats every column that often, interleaved, and reports the median
-of the rounds' p50s. ``--line-rate`` adds what the link carries outside any collective: each
+each time); ``--rounds`` repeats every column that often and reports the median of the rounds'
+p50s. The peers (mpi4py, gloo, the line rate) are measured right after each lightcc column's
+size, and the ratio columns are medians of those back-to-back pairs, so a busy machine's slow
+phases hit both sides of a ratio. ``--line-rate`` adds what the link carries outside any collective: each
 rank sends the bytes a bandwidth-optimal allreduce sends (``2(n-1)/n`` x size) to the next
 rank while receiving as much from the previous one, over a plain TCP socket (iperf-style) and
 with ``MPI_Sendrecv``; their "bus bandwidth" is the most an allreduce can reach.
@@ -31,8 +33,8 @@ import time
 
 import numpy as np
 
-import lightcc as lcc     # before mpi4py: lightcc sets its Open MPI parameters before MPI starts
-from mpi4py import MPI  # noqa: E402
+import lightcc as lcc  # isort: skip  (before mpi4py: it sets Open MPI's parameters first)
+from mpi4py import MPI  # isort: skip
 
 SIZES = [4, 64, 1 << 10, 16 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20, 256 << 20]
 
@@ -158,6 +160,28 @@ def main() -> None:
     else:
         sizes = [s for s in SIZES if s <= parse_size(args.max_size)]
     samples: dict[tuple[int, str], list[float]] = {}
+    paired: dict[tuple[int, str], list[float]] = {}   # lightcc / peer bandwidth, back to back
+
+    def measure(nbytes: int, col: str, fn) -> float:
+        seconds = timed(fn, nbytes, budget, comm)
+        samples.setdefault((nbytes, col), []).append(seconds)
+        return seconds
+
+    def peers(nbytes: int) -> dict[str, float]:
+        """The other libraries and the line rate, right after a lightcc column's size."""
+        x = np.random.default_rng(rank).random(max(1, nbytes // 4), dtype=np.float32)
+        out = np.empty_like(x)
+        got = {"mpi4py": measure(nbytes, "mpi4py", lambda: comm.Allreduce(x, out, op=MPI.SUM))}
+        if dist is not None:
+            t = torch.from_numpy(x.copy())
+            got["gloo"] = measure(nbytes, "gloo", lambda: dist.all_reduce(t))
+        if line is not None and n > 1:
+            moved = np.ones(max(1, 2 * (n - 1) * nbytes // n), np.uint8)
+            into = np.empty_like(moved)
+            got["tcp"] = measure(nbytes, "tcp", lambda: line.tcp(moved, into))
+            got["sendrecv"] = measure(nbytes, "sendrecv", lambda: line.mpi(moved, into))
+        return got
+
     for _ in range(args.rounds):
         for algo in algos:
             lcc.init(**({"algorithm": algo} if algo else {}))
@@ -165,42 +189,29 @@ def main() -> None:
             for nbytes in sizes:
                 x = np.random.default_rng(rank).random(max(1, nbytes // 4), dtype=np.float32)
                 out = np.empty_like(x)
-                samples.setdefault((nbytes, col), []).append(timed(
-                    lambda: lcc.allreduce(x, op=lcc.Sum, name="bench", out=out), nbytes,
-                    budget, comm))
+                mine = measure(nbytes, col, lambda: lcc.allreduce(x, op=lcc.Sum, name="bench",
+                                                                  out=out))
                 if algo is algos[0] and not args.no_unnamed:
                     # unnamed, as most Horovod scripts call it for metrics (matched by order)
-                    samples.setdefault((nbytes, "lightcc-unnamed"), []).append(timed(
-                        lambda: lcc.allreduce(x, op=lcc.Sum, out=out), nbytes, budget, comm))
+                    measure(nbytes, "lightcc-unnamed",
+                            lambda: lcc.allreduce(x, op=lcc.Sum, out=out))
                     if dist is not None:
                         import lightcc.torch as lcc_torch
 
                         t = torch.from_numpy(x.copy())
                         # the Horovod-style torch API, unnamed (hvd.allreduce(tensor))
-                        samples.setdefault((nbytes, "lightcc.torch-unnamed"), []).append(timed(
-                            lambda: lcc_torch.allreduce(t, op=lcc.Sum), nbytes, budget, comm))
+                        measure(nbytes, "lightcc.torch-unnamed",
+                                lambda: lcc_torch.allreduce(t, op=lcc.Sum))
+                for peer, seconds in peers(nbytes).items():
+                    paired.setdefault((nbytes, f"{col}/{peer}"), []).append(seconds / mine)
+                if rank == 0:
+                    print(f"  measured {col} {nbytes} B", file=sys.stderr, flush=True)
             lcc.shutdown()
-        for nbytes in sizes:
-            x = np.random.default_rng(rank).random(max(1, nbytes // 4), dtype=np.float32)
-            out = np.empty_like(x)
-            samples.setdefault((nbytes, "mpi4py"), []).append(timed(
-                lambda: comm.Allreduce(x, out, op=MPI.SUM), nbytes, budget, comm))
-            if dist is not None:
-                t = torch.from_numpy(x.copy())
-                samples.setdefault((nbytes, "gloo"), []).append(timed(
-                    lambda: dist.all_reduce(t), nbytes, budget, comm))
-            if line is not None and n > 1:
-                moved = np.ones(max(1, 2 * (n - 1) * nbytes // n), np.uint8)
-                into = np.empty_like(moved)
-                for name, fn in (("tcp", line.tcp), ("sendrecv", line.mpi)):
-                    samples.setdefault((nbytes, name), []).append(timed(
-                        lambda: fn(moved, into), nbytes, budget, comm))
-            if rank == 0:
-                print(f"  measured {nbytes} B", file=sys.stderr, flush=True)
     rows = []
     for nbytes in sizes:
         rows.append((nbytes, {col: float(np.median(v)) for (b, col), v in samples.items()
-                              if b == nbytes}))
+                              if b == nbytes},
+                      {key: float(np.median(v)) for (b, key), v in paired.items() if b == nbytes}))
     if rank == 0:
         print_table(rows, n)
     if line is not None:
@@ -217,31 +228,30 @@ def fmt_size(n: int) -> str:
 
 
 def print_table(rows, n: int) -> None:
+    """One row per size: p50 and bus bandwidth per column (median over rounds), then each
+    lightcc column against each peer as the median of back-to-back ratios (a peer is measured
+    right after every lightcc column's size, so slow phases of a busy machine hit both), then
+    each column's bandwidth as a share of the raw TCP exchange's."""
     first = rows[0][1]
     libs = [k for k in first if k.startswith("lightcc")]
     peers = [k for k in ("mpi4py", "gloo") if k in first]
     bounds = [k for k in ("tcp", "sendrecv") if k in first]
     cols = libs + peers + bounds
     factor = 2 * (n - 1) / n
+    named = [lib for lib in libs if "unnamed" not in lib]
     head = ["size"] + [f"{c} p50 us" for c in cols] + [f"{c} busbw GB/s" for c in cols]
-    head += [f"{lib}/{peer} bw" for lib in libs if "unnamed" not in lib for peer in peers]
-    if bounds:
-        head += [f"{c} % of tcp" for c in libs + peers if "unnamed" not in c]
+    head += [f"{lib}/{peer} bw" for lib in named for peer in peers + bounds]
     if "gloo" in peers and "lightcc-unnamed" in first:
         head += ["unnamed p50 / gloo p50", "torch unnamed p50 / gloo p50"]
-    print(f"allreduce float32 sum, {n} ranks, host {socket.gethostname()}, "
-          f"pid-local time, p50 (median over rounds)")
+    print(f"allreduce float32 sum, {n} ranks, host {socket.gethostname()}, pid-local time, "
+          "p50 (median over rounds); ratios: median of back-to-back pairs")
     print("| " + " | ".join(head) + " |")
     print("|" + "---|" * len(head))
-    for nbytes, res in rows:
+    for nbytes, res, pairs in rows:
         lat = [f"{res[c] * 1e6:.1f}" for c in cols]
         bw = {c: factor * nbytes / res[c] / 1e9 for c in cols}
         cells = [fmt_size(nbytes), *lat, *(f"{bw[c]:.3f}" for c in cols)]
-        cells += [f"{bw[lib] / bw[peer]:.2f}x" for lib in libs if "unnamed" not in lib
-                  for peer in peers]
-        if bounds:
-            cells += [f"{100 * bw[c] / bw['tcp']:.0f} %" for c in libs + peers
-                      if "unnamed" not in c]
+        cells += [f"{pairs[f'{lib}/{peer}']:.2f}x" for lib in named for peer in peers + bounds]
         if "gloo" in peers and "lightcc-unnamed" in res:
             cells.append(f"{res['lightcc-unnamed'] / res['gloo']:.2f}x")
             if "lightcc.torch-unnamed" in res:
