@@ -115,7 +115,7 @@ def check(got: np.ndarray, want: np.ndarray, exact: bool, what: str) -> None:
         assert err < 1e-4, f"{what}: relative error {err:.2e} vs the simulation"
 
 
-algorithms_ = ["flat", "ring", "hierarchical", "2d"]
+algorithms_ = ["flat", "ring", "hierarchical", "2d", "native"]
 for spec in [c for c in available_compressors() if c != "none"]:
     for algo in algorithms_:
         lcc.shutdown()
