@@ -129,3 +129,31 @@ def test_below_min_np_the_job_ends_with_a_clear_message(tmp_path):
     assert "2 rank(s) left after launch rank(s) 1 failed, fewer than the minimum of 3" in last, \
         err[-4000:]
     assert "DONE" not in out
+
+
+def _numpy_reference(kill_at: int) -> np.ndarray:
+    """train_numpy.py replayed: steps up to the last commit on 3 ranks, the rest on 2."""
+    n_, dim, steps, commit, lr = 16, 4, 12, 4, 0.1
+    rng = np.random.default_rng(5)
+    x, y = rng.standard_normal((n_, dim)), rng.standard_normal(n_)
+    w = np.zeros(dim)
+    for step in range(steps):
+        size = 3 if step < (kill_at // commit) * commit else 2
+        grads = [x[i] * (x[i] @ w - y[i]) for i in ((step * size + r) % n_ for r in range(size))]
+        w = w - lr * np.mean(grads, axis=0)
+    return w
+
+
+def test_numpy_state_under_plain_mpirun_with_ft():
+    """The core's ObjectState and run, launched by plain ``mpirun --with-ft ulfm``."""
+    from tests.mpi_harness import run_mpi
+
+    worker = str(WORKER.parent / "train_numpy.py")
+    out = run_mpi(3, ["--with-ft", "ulfm", sys.executable, worker, "2", "6"],
+                  timeout=240).stdout
+    assert "elastic: lost launch rank(s) 2; continuing with 2 ranks" in out, out
+    line = re.search(r"W ([-0-9.e+ ]+) size 2", out)
+    assert line, out
+    got = np.array([float(v) for v in line.group(1).split()])
+    np.testing.assert_allclose(got, _numpy_reference(6), rtol=1e-10)
+    assert not np.allclose(got, _numpy_reference(9))     # a different last commit differs
