@@ -157,3 +157,17 @@ def test_numpy_state_under_plain_mpirun_with_ft():
     got = np.array([float(v) for v in line.group(1).split()])
     np.testing.assert_allclose(got, _numpy_reference(6), rtol=1e-10)
     assert not np.allclose(got, _numpy_reference(9))     # a different last commit differs
+
+
+@pytest.mark.parametrize("overlap", ["0", "1"])
+def test_rank_killed_inside_a_large_allreduce(overlap):
+    """The victim dies at a random point of 8 MB allreduces (a timer, not a step boundary), on
+    the waiting thread (lazy) or the background thread (overlap): the survivors recover."""
+    from tests.mpi_harness import run_mpi
+
+    worker = str(WORKER.parent / "midkill_numpy.py")
+    out = run_mpi(3, ["--with-ft", "ulfm", "-x", "LCC_OVERLAP", sys.executable, worker, "1",
+                      "0.3"], env={"LCC_OVERLAP": overlap}, timeout=240).stdout
+    assert "elastic: lost launch rank(s) 1; continuing with 2 ranks" in out, out
+    for rank in (0, 2):
+        assert f"launch {rank}: done size 2 step 60" in out, out
