@@ -21,7 +21,8 @@ import time
 from typing import Any, Callable
 
 from .. import config as config_mod
-from ..api import exit_hook, lifecycle, state as api_state
+from ... import _exit
+from ..api import lifecycle, state as api_state
 from ..backends import ulfm
 from ..exceptions import (CollectiveError, LightCCError, MismatchError, ShutdownError,
                           StallError)
@@ -29,7 +30,7 @@ from .state import HostsUpdatedInterrupt, State
 
 log = logging.getLogger("lightcc")
 
-STATUS_DIR_ENV = "LCC_RUNNER_STATUS_DIR"    # lccrun's status directory (runner/_rankwrap.py)
+STATUS_DIR_ENV = _exit.STATUS_DIR_ENV       # lccrun's status directory
 
 
 class ElasticError(LightCCError):
@@ -55,7 +56,7 @@ def is_peer_failure(exc: BaseException) -> bool:
     causes. A mismatch or a stall is a bug in the program, not a lost rank: re-raised."""
     if isinstance(exc, (MismatchError, StallError)):
         return False
-    if isinstance(exc, ShutdownError) or exit_hook.is_consequence(exc):
+    if isinstance(exc, ShutdownError) or _exit.is_consequence(exc):
         return True
     if ulfm.is_process_failure(exc):
         return True
