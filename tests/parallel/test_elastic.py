@@ -159,15 +159,16 @@ def test_numpy_state_under_plain_mpirun_with_ft():
     assert not np.allclose(got, _numpy_reference(9))     # a different last commit differs
 
 
-@pytest.mark.parametrize("overlap", ["0", "1"])
-def test_rank_killed_inside_a_large_allreduce(overlap):
+@pytest.mark.parametrize("overlap,delay", [("0", "0.3"), ("1", "0.3"), ("0", "direct")])
+def test_rank_killed_inside_a_large_allreduce(overlap, delay):
     """The victim dies at a random point of 8 MB allreduces (a timer, not a step boundary), on
-    the waiting thread (lazy) or the background thread (overlap): the survivors recover."""
+    the waiting thread (lazy) or the background thread (overlap), or before a small unnamed
+    allreduce on the direct path: the survivors recover."""
     from tests.mpi_harness import run_mpi
 
     worker = str(WORKER.parent / "midkill_numpy.py")
     out = run_mpi(3, ["--with-ft", "ulfm", "-x", "LCC_OVERLAP", sys.executable, worker, "1",
-                      "0.3"], env={"LCC_OVERLAP": overlap}, timeout=240).stdout
+                      delay], env={"LCC_OVERLAP": overlap}, timeout=240).stdout
     assert "elastic: lost launch rank(s) 1; continuing with 2 ranks" in out, out
     for rank in (0, 2):
         assert f"launch {rank}: done size 2 step 60" in out, out
