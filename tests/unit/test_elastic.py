@@ -130,6 +130,19 @@ def test_run_reraises_what_is_not_a_lost_rank(monkeypatch):
         elastic.run_fn(train, lambda: pytest.fail("no reset"))(S(a=1))
 
 
+def test_elastic_timeout_watchdog_ends_the_job(monkeypatch):
+    import threading
+
+    codes = []
+    monkeypatch.setattr(elastic.recovery.ulfm, "abort", codes.append)
+    elastic.recovery._watch(threading.Event(), 0.05)      # never set: times out
+    assert codes == [75]
+    done = threading.Event()
+    done.set()
+    elastic.recovery._watch(done, 5.0)                    # re-formed in time: nothing
+    assert codes == [75]
+
+
 # ---------------------------------------------------------------- lccrun
 def _build(argv):
     spec = to_spec(parse_args(argv))

@@ -1,5 +1,5 @@
-"""Elastic training worker (issue 26): a linear model trained with lightcc.torch.elastic.run,
-TorchState and ElasticSampler; launch rank VICTIM kills itself with SIGKILL at epoch 0, step
+"""Elastic training worker (issue 26): a linear model trained with ``lcc.elastic.run`` (as
+``hvd.elastic.run``), TorchState and ElasticSampler; launch rank VICTIM kills itself with SIGKILL at epoch 0, step
 KILL_AT (before its backward). Commits every COMMIT steps and at each epoch's end. Rank 0
 of the final group saves the parameters to OUT (.pt), and prints when the first step on the
 new group finished (FIRST_STEP <unix time>); the victim prints KILL <unix time> before dying.
@@ -14,7 +14,6 @@ import numpy as np
 import torch
 
 import lightcc.torch as lcc
-import lightcc.torch.elastic as elastic
 
 N, DIM, BATCH, EPOCHS, COMMIT, LR, MOMENTUM, SEED = 60, 5, 2, 2, 3, 0.05, 0.9, 7
 
@@ -37,13 +36,13 @@ def main() -> None:
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
     opt = lcc.DistributedOptimizer(opt, named_parameters=model.named_parameters())
     x, y = data()
-    sampler = elastic.ElasticSampler(range(N), shuffle=True, seed=SEED)
-    state = elastic.TorchState(model, opt, sampler=sampler, epoch=0, batch=0)
+    sampler = lcc.elastic.ElasticSampler(range(N), shuffle=True, seed=SEED)
+    state = lcc.elastic.TorchState(model, opt, sampler=sampler, epoch=0, batch=0)
     resets = []
     state.register_reset_callbacks([lambda: resets.append(time.time())])
     reported = []
 
-    @elastic.run
+    @lcc.elastic.run
     def train(state):
         while state.epoch < EPOCHS:
             mine = list(state.sampler)
