@@ -127,10 +127,14 @@ def membership_lines(directory: str | None, seen: set[str]) -> list[str]:
             continue
         seen.add(path.name)
         lost = rec.get("lost") or []
-        who = (f"rank {lost[0]}" if len(lost) == 1 else
-               f"ranks {', '.join(map(str, lost))}" if lost else "no rank")
+        took = f"group re-formed in {rec.get('seconds', 0):.2f} s"
+        if not lost:
+            lines.append(f"lccrun: elastic: hosts updated; the same {rec.get('size')} ranks "
+                         f"continue, {took}")
+            continue
+        who = f"rank {lost[0]}" if len(lost) == 1 else f"ranks {', '.join(map(str, lost))}"
         lines.append(f"lccrun: elastic: lost {who} (launch numbering); {rec.get('size')} "
-                     f"ranks continue, group re-formed in {rec.get('seconds', 0):.2f} s")
+                     f"ranks continue, {took}")
     return lines
 
 

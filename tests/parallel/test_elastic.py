@@ -131,14 +131,14 @@ def test_below_min_np_the_job_ends_with_a_clear_message(tmp_path):
     assert "DONE" not in out
 
 
-def _numpy_reference(kill_at: int) -> np.ndarray:
+def _numpy_reference(kill_at: int | None) -> np.ndarray:
     """train_numpy.py replayed: steps up to the last commit on 3 ranks, the rest on 2."""
     n_, dim, steps, commit, lr = 16, 4, 12, 4, 0.1
     rng = np.random.default_rng(5)
     x, y = rng.standard_normal((n_, dim)), rng.standard_normal(n_)
     w = np.zeros(dim)
     for step in range(steps):
-        size = 3 if step < (kill_at // commit) * commit else 2
+        size = 3 if kill_at is None or step < (kill_at // commit) * commit else 2
         grads = [x[i] * (x[i] @ w - y[i]) for i in ((step * size + r) % n_ for r in range(size))]
         w = w - lr * np.mean(grads, axis=0)
     return w
@@ -157,6 +157,22 @@ def test_numpy_state_under_plain_mpirun_with_ft():
     got = np.array([float(v) for v in line.group(1).split()])
     np.testing.assert_allclose(got, _numpy_reference(6), rtol=1e-10)
     assert not np.allclose(got, _numpy_reference(9))     # a different last commit differs
+
+
+def test_a_host_notice_on_one_rank_resets_every_rank_at_the_next_commit():
+    """``on_hosts_updated`` on launch rank 1 alone at step 5: all ranks raise
+    HostsUpdatedInterrupt at the commit of step 8, the group is re-formed with the same 3
+    ranks, and training goes on from that commit (the result equals an uninterrupted run)."""
+    from tests.mpi_harness import run_mpi
+
+    worker = str(WORKER.parent / "train_numpy.py")
+    out = run_mpi(3, ["--with-ft", "ulfm", sys.executable, worker, "-1", "0", "5"],
+                  timeout=240).stdout
+    assert "elastic: group re-formed with the same 3 ranks (hosts updated)" in out, out
+    line = re.search(r"W ([-0-9.e+ ]+) size 3", out)
+    assert line, out
+    got = np.array([float(v) for v in line.group(1).split()])
+    np.testing.assert_allclose(got, _numpy_reference(None), rtol=1e-10)
 
 
 @pytest.mark.parametrize("overlap,delay", [("0", "0.3"), ("1", "0.3"), ("0", "direct")])

@@ -201,3 +201,6 @@ def test_membership_lines_one_per_change_once(tmp_path):
     assert supervise.membership_lines(str(tmp_path), seen) == [
         "lccrun: elastic: lost ranks 0, 1 (launch numbering); 1 ranks continue, group "
         "re-formed in 1.50 s"]
+    (tmp_path / "elastic-3.json").write_text(json.dumps({"size": 1, "lost": [], "seconds": 0.2}))
+    assert supervise.membership_lines(str(tmp_path), seen) == [
+        "lccrun: elastic: hosts updated; the same 1 ranks continue, group re-formed in 0.20 s"]

@@ -153,9 +153,13 @@ def _watch(done: threading.Event, timeout: float) -> None:
 
 def _report(change: dict) -> None:
     """One line in the log, and a record for lccrun (which prints it as one line)."""
-    log.warning("elastic: lost launch rank(s) %s; continuing with %d ranks (re-formed in "
-                "%.2f s)", ", ".join(map(str, change["lost"])) or "none", change["size"],
-                change["seconds"])
+    if change["lost"]:
+        log.warning("elastic: lost launch rank(s) %s; continuing with %d ranks (re-formed in "
+                    "%.2f s)", ", ".join(map(str, change["lost"])), change["size"],
+                    change["seconds"])
+    else:
+        log.warning("elastic: group re-formed with the same %d ranks (hosts updated) in "
+                    "%.2f s", change["size"], change["seconds"])
     directory = os.environ.get(STATUS_DIR_ENV)
     if not directory:
         return

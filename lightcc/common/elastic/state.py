@@ -76,19 +76,19 @@ class State:
         self.check_host_updates()
 
     def check_host_updates(self) -> None:
-        """Raise :class:`HostsUpdatedInterrupt` on every rank when a host change was noticed.
+        """Raise :class:`HostsUpdatedInterrupt` on every rank, at the same commit, when any
+        rank was told of a host change (:meth:`on_hosts_updated`) since the last check.
 
-        lightcc re-forms the group only when a rank dies (shrink in place; docs/elastic.md):
-        nothing posts host notices unless the program calls :meth:`on_hosts_updated`, so this
-        costs nothing and needs no collective until then (then one broadcast of rank 0's
-        latest notice, so that every rank raises at the same commit)."""
-        if not self._host_updates and not self._last_updated:
-            return
+        One small max-allreduce of the latest notice time (Horovod broadcasts rank 0's, so a
+        notice seen only by another rank was lost). lightcc re-forms the group itself only
+        when a rank dies (shrink in place; docs/elastic.md): nothing posts notices unless the
+        program does."""
         latest = max([self._last_updated, *self._host_updates])
         self._host_updates.clear()
-        previous = self._last_updated
-        self._last_updated = self._bcast_object(latest)
-        if self._last_updated > previous:
+        if api_state.is_initialized() and api_state.size() > 1:
+            latest = float(collectives.allreduce(np.array([latest]), op=api_state.Max)[0])
+        previous, self._last_updated = self._last_updated, latest
+        if latest > previous:
             raise HostsUpdatedInterrupt(skip_sync=False)
 
     def save(self) -> None:
