@@ -1,7 +1,7 @@
 """Cost of ``TorchState.commit()`` per MB of state (issue 26): a model of ``--mb`` MB of float32
 parameters with an SGD-momentum optimizer (as much state again), committed ``--rounds`` times.
-One process, no MPI: a commit copies into host memory and needs no collective (no host
-notices), so its cost is the same on every rank.
+One process, no MPI: a commit copies into host memory (on a multi-rank job it adds one
+8-byte allreduce for the host check), so this is its cost on every rank.
 
     python benchmarks/elastic_commit.py [--mb 1 16 64] [--rounds 7]
 

@@ -75,7 +75,7 @@ def test_object_state_commit_restore_are_copies():
     assert st.step == 0 and not st.w.any()
     st.w += 2.0
     st.step = 7
-    st.commit()                        # no host notices: no collective needed
+    st.commit()                        # not initialized: no host-check collective
     st.w += 1.0
     st.restore()
     assert st.step == 7 and np.array_equal(st.w, [2.0, 2.0, 2.0])
