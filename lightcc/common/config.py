@@ -218,6 +218,13 @@ KNOBS: tuple[Knob, ...] = (
          "Directory where each rank writes its flight record (rank<N>.json); lccrun sets a "
          "private one and prints a summary naming the rank that is behind. Empty: record, "
          "never write."),
+    Knob("elastic_min_np", "LCC_ELASTIC_MIN_NP", _parse_int, 1, "ranks",
+         "Elastic jobs (lightcc.torch.elastic.run, lccrun --min-np): when a rank dies and fewer "
+         "ranks than this survive, the job ends with a message instead of going on "
+         "(docs/elastic.md).", _min(1)),
+    Knob("elastic_timeout", "LCC_ELASTIC_TIMEOUT", _parse_float, 600.0, "s",
+         "Elastic jobs (lccrun --elastic-timeout): the longest the survivors may take to re-form "
+         "the group after a rank died; past it the job ends (docs/elastic.md).", _min(0.1)),
     Knob("shutdown_timeout", "LCC_SHUTDOWN_TIMEOUT", _parse_float, 30.0, "s",
          "How long shutdown() waits for the background thread before giving up.", _min(0.0)),
 )
@@ -261,6 +268,8 @@ class Config:
     control_fanout: int
     flight_records: int
     flight_dir: str
+    elastic_min_np: int
+    elastic_timeout: float
     shutdown_timeout: float
 
     def replace(self, **changes: Any) -> "Config":

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import os
 import shlex
+import subprocess
 import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable, NoReturn
@@ -89,6 +90,7 @@ class LaunchSpec:
     ssh_port: int | None = None
     ssh_identity_file: str | None = None
     mpi_args: list[str] = field(default_factory=list)
+    elastic: bool = False
     verbose: bool = False
     dry_run: bool = False
 
@@ -131,6 +133,21 @@ def build_parser() -> argparse.ArgumentParser:
             continue
         tune.add_argument(kf.flag, dest=kf.dest, type=kf.type, metavar=kf.metavar,
                           help=help_text.replace("%", "%%"))
+    el = p.add_argument_group("elastic (docs/elastic.md: a rank that dies no longer ends the job; "
+                              "any of these launches with Open MPI's fault tolerance)")
+    el.add_argument("--min-np", type=int, metavar="N",
+                    help="end the job (with a message) when fewer ranks than this survive a "
+                         "failure; default 1. Env LCC_ELASTIC_MIN_NP.")
+    el.add_argument("--max-np", type=int, metavar="N",
+                    help="the most ranks the job may have (-np must not exceed it; the job "
+                         "only shrinks, ranks never join)")
+    el.add_argument("--elastic-timeout", type=float, metavar="S",
+                    help="longest time the survivors may take to re-form the group after a "
+                         "failure before the job ends; default 600 s. Env LCC_ELASTIC_TIMEOUT.")
+    el.add_argument("--host-discovery-script", metavar="PATH",
+                    help="executable printing one 'host:slots' (or 'host') a line, as for "
+                         "horovodrun; read once at launch for the hosts (later changes are not "
+                         "followed)")
     p.add_argument("-x", dest="extra_env", action="append", default=[], metavar="NAME[=VALUE]",
                    help="also forward this environment variable (set it when =VALUE is given)")
     p.add_argument("--mpi-args", default="", metavar='"..."',
@@ -239,9 +256,14 @@ def to_spec(ns: argparse.Namespace) -> LaunchSpec:
         raise UsageError("no command given (e.g. lccrun -np 2 python train.py)")
     if ns.hosts is not None and ns.hostfile is not None:
         raise UsageError("give either -H/--hosts or --hostfile, not both")
+    if ns.host_discovery_script is not None and (ns.hosts is not None or
+                                                 ns.hostfile is not None):
+        raise UsageError("give either --host-discovery-script or -H/--hostfile, not both")
     try:
         hosts = (parse_host_list(ns.hosts) if ns.hosts is not None
-                 else parse_hostfile(ns.hostfile) if ns.hostfile is not None else None)
+                 else parse_hostfile(ns.hostfile) if ns.hostfile is not None
+                 else discover_hosts(ns.host_discovery_script)
+                 if ns.host_discovery_script is not None else None)
     except ConfigError as exc:
         raise UsageError(str(exc)) from None
     np_ = ns.np
@@ -262,16 +284,58 @@ def to_spec(ns: argparse.Namespace) -> LaunchSpec:
         mpi_args = shlex.split(ns.mpi_args)
     except ValueError as exc:
         raise UsageError(f"--mpi-args {ns.mpi_args!r}: {exc}") from None
+    elastic_env = _elastic(ns, np_)
+    if elastic_env and "--with-ft" not in mpi_args:
+        mpi_args += ["--with-ft", "ulfm"]
     return LaunchSpec(
         np=np_, command=list(ns.command), hosts=hosts,
         hostfile=os.path.abspath(ns.hostfile) if ns.hostfile else None,
-        knob_env=knob_env(ns), extra_env=_extra_env(ns.extra_env),
+        knob_env={**knob_env(ns), **elastic_env}, extra_env=_extra_env(ns.extra_env),
         network_interface=(_check_interfaces(ns.network_interface)
                            if ns.network_interface is not None else None),
         ssh_port=ns.ssh_port,
         ssh_identity_file=(os.path.abspath(ns.ssh_identity_file)
                            if ns.ssh_identity_file else None),
-        mpi_args=mpi_args, verbose=ns.verbose, dry_run=ns.dry_run)
+        mpi_args=mpi_args, elastic=bool(elastic_env), verbose=ns.verbose, dry_run=ns.dry_run)
+
+
+def _elastic(ns: argparse.Namespace, np_: int) -> dict[str, str]:
+    """``LCC_ELASTIC_*`` for the elastic flags given (empty: not an elastic job)."""
+    given = [f for f, v in (("--min-np", ns.min_np), ("--max-np", ns.max_np),
+                            ("--elastic-timeout", ns.elastic_timeout),
+                            ("--host-discovery-script", ns.host_discovery_script))
+             if v is not None]
+    if not given:
+        return {}
+    env = {"LCC_ELASTIC_MIN_NP": str(ns.min_np if ns.min_np is not None else 1)}
+    if ns.min_np is not None and not 1 <= ns.min_np <= np_:
+        raise UsageError(f"--min-np {ns.min_np}: must be between 1 and -np ({np_})")
+    if ns.max_np is not None and ns.max_np < np_:
+        raise UsageError(f"--max-np {ns.max_np} is below -np {np_} (an elastic job only "
+                         f"shrinks: start it with at most --max-np ranks)")
+    if ns.elastic_timeout is not None:
+        if not ns.elastic_timeout > 0:
+            raise UsageError(f"--elastic-timeout {ns.elastic_timeout}: must be > 0 seconds")
+        env["LCC_ELASTIC_TIMEOUT"] = _num(ns.elastic_timeout)
+    return env
+
+
+def discover_hosts(script: str, timeout: float = 60.0) -> list[Host]:
+    """Hosts from a Horovod discovery script: one ``host:slots`` (or ``host``) per line."""
+    path = os.path.abspath(script)
+    if not (os.path.isfile(path) and os.access(path, os.X_OK)):
+        raise UsageError(f"--host-discovery-script {script!r}: not an executable file")
+    try:
+        out = subprocess.run([path], capture_output=True, text=True, timeout=timeout)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise UsageError(f"--host-discovery-script {script!r}: {exc}") from None
+    if out.returncode != 0:
+        raise UsageError(f"--host-discovery-script {script!r} exited with code "
+                         f"{out.returncode}: {out.stderr.strip()[:200]}")
+    lines = [ln.strip() for ln in out.stdout.splitlines() if ln.strip()]
+    if not lines:
+        raise UsageError(f"--host-discovery-script {script!r} printed no host")
+    return parse_host_list(",".join(lines))
 
 
 def flag_table() -> str:

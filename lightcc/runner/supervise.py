@@ -110,6 +110,34 @@ def read_statuses(directory: str | None) -> list[dict]:
     return sorted(records, key=lambda r: r.get("time", 0.0))
 
 
+def membership_lines(directory: str | None, seen: set[str]) -> list[str]:
+    """One line per elastic membership change the ranks recorded (``elastic-<n>.json``, written
+    by the new rank 0 after the survivors re-formed the group) and not yet in ``seen``."""
+    if not directory or not os.path.isdir(directory):
+        return []
+    lines = []
+    for path in sorted(Path(directory).glob("elastic-*.json"),
+                       key=lambda p: int(p.stem.split("-")[1]) if p.stem.split("-")[1].isdigit()
+                       else 0):
+        if path.name in seen:
+            continue
+        try:
+            rec = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        seen.add(path.name)
+        lost = rec.get("lost") or []
+        took = f"group re-formed in {rec.get('seconds', 0):.2f} s"
+        if not lost:
+            lines.append(f"lccrun: elastic: hosts updated; the same {rec.get('size')} ranks "
+                         f"continue, {took}")
+            continue
+        who = f"rank {lost[0]}" if len(lost) == 1 else f"ranks {', '.join(map(str, lost))}"
+        lines.append(f"lccrun: elastic: lost {who} (launch numbering); {rec.get('size')} "
+                     f"ranks continue, {took}")
+    return lines
+
+
 def _from_status(record: dict) -> Failure:
     what = record.get("what", "")
     if record.get("signal"):
@@ -333,8 +361,11 @@ def supervise(argv: list[str], env: dict[str, str], status_dir: str | None,
     forwarded = 0
     interrupted_at = failed_at = termed_at = consequence_at = None
     next_scan = time.monotonic() + 1.0
+    changes: set[str] = set()     # elastic membership records already reported
     try:
         while True:
+            for line in membership_lines(status_dir, changes):
+                print(line, file=sys.stderr, flush=True)
             try:
                 returncode = proc.wait(timeout=0.1)
                 break
@@ -385,6 +416,8 @@ def supervise(argv: list[str], env: dict[str, str], status_dir: str | None,
         adopted = {p: t for p, t in descendants(os.getpid()).items() if p not in before}
         _reap(kill_tree(None, {**known, **adopted}))
     tail.thread.join(timeout=2.0)
+    for line in membership_lines(status_dir, changes):
+        print(line, file=sys.stderr)
     if not tail.ends_with_newline():
         sys.stderr.write("\n")  # prterun's last banner ends without a newline
     for line in summarize(read_records(flight_dir)) if returncode != 0 else []:

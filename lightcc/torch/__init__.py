@@ -30,6 +30,7 @@ from .autograd import gradient_semantics, set_gradient_semantics
 from .optimizer import DistributedOptimizer
 from .sync_batch_norm import SyncBatchNorm
 from . import c10d as _c10d
+from . import elastic   # hvd.elastic.run, hvd.elastic.TorchState, ... as in horovod.torch
 
 _c10d.register()   # the torch.distributed backend "lightcc"
 

@@ -1,0 +1,190 @@
+"""Elastic training (issue 26), real 3-rank jobs under lccrun with fault tolerance: one rank
+kills itself with SIGKILL in the middle of epoch 0; the survivors roll back to the last
+commit, re-form the group (shrink in place) and finish. Their final parameters must equal a
+single-process torch replay of Horovod's documented semantics (``_reference``): the steps up
+to the last commit on 3 ranks, then the rest of the epoch's unprocessed samples split
+between 2 ranks by ``ElasticSampler``'s rule, then the next epoch on 2 ranks. Below
+``--min-np`` the job must end with a clear message, not hang.
+
+Checked to fail: with ``state.restore()`` removed from ``run``'s retry loop the parameters
+differ from the reference (the failed step's partial work stays); with the sampler's
+re-partition disabled (``num_replicas`` kept at 3) the survivors skip samples and the
+parameters differ.
+"""
+from __future__ import annotations
+
+import random
+import re
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.parallel.test_reliability import _finish, _lccrun, _lccrun_env, needs_lccrun
+
+torch = pytest.importorskip("torch")
+
+WORKER = Path(__file__).resolve().parent / "workers_elastic" / "train_torch.py"
+# the worker's constants (train_torch.py)
+N, DIM, BATCH, EPOCHS, COMMIT, LR, MOMENTUM, SEED = 60, 5, 2, 2, 3, 0.05, 0.9, 7
+
+
+def _data():
+    rng = np.random.default_rng(123)
+    x = rng.standard_normal((N, DIM)).astype(np.float32)
+    y = (x @ rng.standard_normal((DIM, 1)) + 0.1 * rng.standard_normal((N, 1))).astype(np.float32)
+    return torch.from_numpy(x), torch.from_numpy(y)
+
+
+def _partition(epoch: int, processed: int, ranks: int) -> list[list[int]]:
+    """Horovod's ElasticSampler: the epoch's permutation, its processed prefix dropped, padded
+    with its own start to a multiple of ``ranks``, then every ``ranks``-th index per rank."""
+    order = list(range(N))
+    random.Random(SEED + epoch).shuffle(order)
+    rest = order[processed:]
+    per = -(-len(rest) // ranks)
+    rest += rest[:per * ranks - len(rest)]
+    return [rest[r::ranks] for r in range(ranks)]
+
+
+def _steps(model, opt, x, y, parts: list[list[int]], count: int | None) -> int:
+    """Run ``count`` (None: all) synchronous steps over ``parts`` (one index list per rank):
+    the gradient is the mean over ranks of each rank's mean-loss gradient (Average)."""
+    n = len(parts[0])
+    done = 0
+    for i in range(0, n, BATCH):
+        if count is not None and done == count:
+            break
+        opt.zero_grad()
+        losses = [torch.nn.functional.mse_loss(model(x[p[i:i + BATCH]]), y[p[i:i + BATCH]])
+                  for p in parts]
+        (sum(losses) / len(parts)).backward()
+        opt.step()
+        done += 1
+    return done
+
+
+def _reference(kill_at: int | None, ranks: int = 3) -> dict:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(DIM, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+    x, y = _data()
+    if kill_at is None:
+        for epoch in range(EPOCHS):
+            _steps(model, opt, x, y, _partition(epoch, 0, ranks), None)
+        return model.state_dict()
+    committed = (kill_at // COMMIT) * COMMIT        # steps of epoch 0 in the last commit
+    _steps(model, opt, x, y, _partition(0, 0, ranks), committed)
+    _steps(model, opt, x, y, _partition(0, committed * BATCH * ranks, ranks - 1), None)
+    for epoch in range(1, EPOCHS):
+        _steps(model, opt, x, y, _partition(epoch, 0, ranks - 1), None)
+    return model.state_dict()
+
+
+def test_reference_depends_on_the_failure():
+    """The replay is not trivially the same whatever happens (else the test could not fail)."""
+    a, b = _reference(None), _reference(5)
+    assert not torch.allclose(a["weight"], b["weight"], atol=1e-4)
+    c = _reference(4)     # the same last commit (step 3) as a kill at step 5
+    assert torch.allclose(b["weight"], c["weight"]) and not torch.allclose(
+        _reference(7)["weight"], b["weight"], atol=1e-4)
+
+
+def _run(tmp_path, victim: int, kill_at: int, min_np: int):
+    out = tmp_path / "params.pt"
+    proc, _ = _lccrun(["-np", "3", "--min-np", str(min_np), "--elastic-timeout", "120",
+                       sys.executable, str(WORKER), str(out), str(victim), str(kill_at)],
+                      _lccrun_env())
+    rc, stdout, stderr = _finish(proc, 400)
+    return rc, stdout, stderr, out
+
+
+@needs_lccrun
+@pytest.mark.timeout(480)
+@pytest.mark.parametrize("victim,kill_at", [(2, 5), (0, 4)])
+def test_survivors_of_kill_9_resume_from_the_last_commit(tmp_path, victim, kill_at):
+    """Rank 2 (a leaf of the control tree), or rank 0 (its root and the coordinator)."""
+    rc, out, err, params = _run(tmp_path, victim, kill_at, 2)
+    assert rc == 0, f"{out[-3000:]}\n{err[-5000:]}"
+    assert f"lccrun: elastic: lost rank {victim} (launch numbering); 2 ranks continue" in err, err
+    assert "DONE size 2 resets 1" in out, out
+    kill = float(re.search(r"KILL (\d+\.\d+)", out).group(1))
+    first = float(re.search(r"FIRST_STEP (\d+\.\d+) size 2", out).group(1))
+    print(f"\nrecovery (kill -> first step on the new group): {first - kill:.3f} s; "
+          f"{re.search(r're-formed in [0-9.]+ s', err).group(0)}")
+    got = torch.load(params)
+    want = _reference(kill_at)
+    for name in ("weight", "bias"):
+        assert torch.allclose(got[name], want[name], rtol=1e-5, atol=1e-6), \
+            (name, got[name], want[name])
+
+
+@needs_lccrun
+@pytest.mark.timeout(480)
+def test_below_min_np_the_job_ends_with_a_clear_message(tmp_path):
+    rc, out, err, _ = _run(tmp_path, 1, 4, 3)
+    assert rc != 0
+    last = err.strip().splitlines()[-1]
+    assert "2 rank(s) left after launch rank(s) 1 failed, fewer than the minimum of 3" in last, \
+        err[-4000:]
+    assert "DONE" not in out
+
+
+def _numpy_reference(kill_at: int | None) -> np.ndarray:
+    """train_numpy.py replayed: steps up to the last commit on 3 ranks, the rest on 2."""
+    n_, dim, steps, commit, lr = 16, 4, 12, 4, 0.1
+    rng = np.random.default_rng(5)
+    x, y = rng.standard_normal((n_, dim)), rng.standard_normal(n_)
+    w = np.zeros(dim)
+    for step in range(steps):
+        size = 3 if kill_at is None or step < (kill_at // commit) * commit else 2
+        grads = [x[i] * (x[i] @ w - y[i]) for i in ((step * size + r) % n_ for r in range(size))]
+        w = w - lr * np.mean(grads, axis=0)
+    return w
+
+
+def test_numpy_state_under_plain_mpirun_with_ft():
+    """The core's ObjectState and run, launched by plain ``mpirun --with-ft ulfm``."""
+    from tests.mpi_harness import run_mpi
+
+    worker = str(WORKER.parent / "train_numpy.py")
+    out = run_mpi(3, ["--with-ft", "ulfm", sys.executable, worker, "2", "6"],
+                  timeout=240).stdout
+    assert "elastic: lost launch rank(s) 2; continuing with 2 ranks" in out, out
+    line = re.search(r"W ([-0-9.e+ ]+) size 2", out)
+    assert line, out
+    got = np.array([float(v) for v in line.group(1).split()])
+    np.testing.assert_allclose(got, _numpy_reference(6), rtol=1e-10)
+    assert not np.allclose(got, _numpy_reference(9))     # a different last commit differs
+
+
+def test_a_host_notice_on_one_rank_resets_every_rank_at_the_next_commit():
+    """``on_hosts_updated`` on launch rank 1 alone at step 5: all ranks raise
+    HostsUpdatedInterrupt at the commit of step 8, the group is re-formed with the same 3
+    ranks, and training goes on from that commit (the result equals an uninterrupted run)."""
+    from tests.mpi_harness import run_mpi
+
+    worker = str(WORKER.parent / "train_numpy.py")
+    out = run_mpi(3, ["--with-ft", "ulfm", sys.executable, worker, "-1", "0", "5"],
+                  timeout=240).stdout
+    assert "elastic: group re-formed with the same 3 ranks (hosts updated)" in out, out
+    line = re.search(r"W ([-0-9.e+ ]+) size 3", out)
+    assert line, out
+    got = np.array([float(v) for v in line.group(1).split()])
+    np.testing.assert_allclose(got, _numpy_reference(None), rtol=1e-10)
+
+
+@pytest.mark.parametrize("overlap,delay", [("0", "0.3"), ("1", "0.3"), ("0", "direct")])
+def test_rank_killed_inside_a_large_allreduce(overlap, delay):
+    """The victim dies at a random point of 8 MB allreduces (a timer, not a step boundary), on
+    the waiting thread (lazy) or the background thread (overlap), or before a small unnamed
+    allreduce on the direct path: the survivors recover."""
+    from tests.mpi_harness import run_mpi
+
+    worker = str(WORKER.parent / "midkill_numpy.py")
+    out = run_mpi(3, ["--with-ft", "ulfm", "-x", "LCC_OVERLAP", sys.executable, worker, "1",
+                      delay], env={"LCC_OVERLAP": overlap}, timeout=240).stdout
+    assert "elastic: lost launch rank(s) 1; continuing with 2 ranks" in out, out
+    for rank in (0, 2):
+        assert f"launch {rank}: done size 2 step 60" in out, out

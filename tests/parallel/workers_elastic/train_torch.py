@@ -1,0 +1,77 @@
+"""Elastic training worker (issue 26): a linear model trained with ``lcc.elastic.run`` (as
+``hvd.elastic.run``), TorchState and ElasticSampler; launch rank VICTIM kills itself with SIGKILL at epoch 0, step
+KILL_AT (before its backward). Commits every COMMIT steps and at each epoch's end. Rank 0
+of the final group saves the parameters to OUT (.pt), and prints when the first step on the
+new group finished (FIRST_STEP <unix time>); the victim prints KILL <unix time> before dying.
+
+Usage: train_torch.py OUT VICTIM KILL_AT   (VICTIM -1: nobody dies)
+"""
+import os
+import sys
+import time
+
+import numpy as np
+import torch
+
+import lightcc.torch as lcc
+
+N, DIM, BATCH, EPOCHS, COMMIT, LR, MOMENTUM, SEED = 60, 5, 2, 2, 3, 0.05, 0.9, 7
+
+
+def data():
+    rng = np.random.default_rng(123)
+    x = rng.standard_normal((N, DIM)).astype(np.float32)
+    y = (x @ rng.standard_normal((DIM, 1)) + 0.1 * rng.standard_normal((N, 1))).astype(np.float32)
+    return torch.from_numpy(x), torch.from_numpy(y)
+
+
+def main() -> None:
+    out, victim, kill_at = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    launch_rank = int(os.environ.get("OMPI_COMM_WORLD_RANK", "0"))
+    lcc.init()
+    torch.manual_seed(0)
+    model = torch.nn.Linear(DIM, 1)
+    if lcc.rank() != 0:            # different on purpose: state.sync() must overwrite it
+        torch.nn.init.normal_(model.weight)
+    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+    opt = lcc.DistributedOptimizer(opt, named_parameters=model.named_parameters())
+    x, y = data()
+    sampler = lcc.elastic.ElasticSampler(range(N), shuffle=True, seed=SEED)
+    state = lcc.elastic.TorchState(model, opt, sampler=sampler, epoch=0, batch=0)
+    resets = []
+    state.register_reset_callbacks([lambda: resets.append(time.time())])
+    reported = []
+
+    @lcc.elastic.run
+    def train(state):
+        while state.epoch < EPOCHS:
+            mine = list(state.sampler)
+            for i in range(0, len(mine), BATCH):
+                if launch_rank == victim and state.epoch == 0 and state.batch == kill_at:
+                    print(f"KILL {time.time():.6f}", flush=True)
+                    os.kill(os.getpid(), 9)
+                idx = mine[i:i + BATCH]
+                opt.zero_grad()
+                loss = torch.nn.functional.mse_loss(state.model(x[idx]), y[idx])
+                loss.backward()
+                opt.step()
+                if resets and not reported and lcc.rank() == 0:
+                    reported.append(1)
+                    print(f"FIRST_STEP {time.time():.6f} size {lcc.size()}", flush=True)
+                state.batch += 1
+                state.sampler.record_batch(i // BATCH, BATCH)
+                if state.batch % COMMIT == 0:
+                    state.commit()
+            state.epoch += 1
+            state.batch = 0
+            state.sampler.set_epoch(state.epoch)
+            state.commit()
+
+    train(state)
+    if lcc.rank() == 0:
+        torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, out)
+        print(f"DONE size {lcc.size()} resets {len(resets)}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

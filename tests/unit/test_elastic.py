@@ -1,0 +1,206 @@
+"""Elastic training without launching (issue 26): ElasticSampler's partition against Horovod's
+documented rule computed by hand, ObjectState's commit/restore, which errors ``run`` recovers
+from, its retry loop with a fake reset, and lccrun's elastic flags and membership lines."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from lightcc.common import elastic
+from lightcc.common.exceptions import (CollectiveError, InvalidArgumentError, MismatchError,
+                                       ShutdownError, StallError)
+from lightcc.runner import supervise
+from lightcc.runner.args import UsageError, parse_args, to_spec
+from lightcc.runner.command import Machine, build_command
+
+torch = pytest.importorskip("torch")
+from lightcc.torch.elastic import sampler as sampler_mod  # noqa: E402
+
+
+class _Group:
+    def __init__(self, size, rank):
+        self.n, self.r = size, rank
+
+    def is_initialized(self):
+        return True
+
+    def size(self):
+        return self.n
+
+    def rank(self):
+        return self.r
+
+
+def _sampler(monkeypatch, size, rank, n=10, shuffle=False, seed=0):
+    monkeypatch.setattr(sampler_mod, "_api", _Group(size, rank))
+    return sampler_mod.ElasticSampler(range(n), shuffle=shuffle, seed=seed)
+
+
+def test_sampler_splits_by_stride_and_pads_with_the_start(monkeypatch):
+    # 10 indices on 3 ranks: 4 each, padded with 0 and 1
+    assert [list(_sampler(monkeypatch, 3, r)) for r in range(3)] == \
+        [[0, 3, 6, 9], [1, 4, 7, 0], [2, 5, 8, 1]]
+
+
+def test_sampler_repartitions_what_is_left_after_a_reset(monkeypatch):
+    s = _sampler(monkeypatch, 2, 1)
+    s.record_batch(0, 2)               # 2 samples on each of 2 ranks: 0..3 processed
+    assert s.state_dict() == {"epoch": 0, "processed_num": 4}
+    monkeypatch.setattr(sampler_mod, "_api", _Group(3, 2))
+    s.reset()                          # the group shrank/grew: 4..9 over 3 ranks
+    assert list(s) == [6, 9] and len(s) == 2
+    s.set_epoch(1)                     # a new epoch: nothing processed
+    assert s.processed_num == 0 and list(s) == [2, 5, 8, 1]
+
+
+def test_sampler_shuffle_is_the_seeded_permutation_of_the_epoch(monkeypatch):
+    import random
+
+    order = list(range(10))
+    random.Random(3 + 2).shuffle(order)
+    s = _sampler(monkeypatch, 2, 0, shuffle=True, seed=3)
+    s.set_epoch(2)
+    assert list(s) == order[0::2]
+    s.load_state_dict({"epoch": 2, "processed_num": 6})
+    assert list(s) == order[6::2]
+
+
+def test_object_state_commit_restore_are_copies():
+    st = elastic.ObjectState(w=np.zeros(3), step=0)
+    st.w += 1.0                        # in place, before any commit
+    st.step = 5
+    st.restore()
+    assert st.step == 0 and not st.w.any()
+    st.w += 2.0
+    st.step = 7
+    st.commit()                        # not initialized: no host-check collective
+    st.w += 1.0
+    st.restore()
+    assert st.step == 7 and np.array_equal(st.w, [2.0, 2.0, 2.0])
+
+
+@pytest.mark.parametrize("exc,recover", [
+    (ShutdownError("allreduce 'x': rank 2 exited or lost its connection"), True),
+    (CollectiveError("allreduce 'x' failed on rank 1: rank 2 exited or lost its connection"), True),
+    (MismatchError("allreduce 'x': shapes differ"), False),
+    (StallError("rank 2 did not submit allreduce 'x'"), False),
+    (InvalidArgumentError("bad op"), False),
+    (ValueError("user bug"), False),
+])
+def test_only_lost_rank_errors_are_recovered(exc, recover):
+    assert elastic.is_peer_failure(exc) is recover
+
+
+def test_run_restores_resets_syncs_and_calls_again(monkeypatch):
+    calls = []
+
+    class S(elastic.ObjectState):
+        def sync(self):
+            calls.append("sync")
+
+    st = S(step=0)
+    st.register_reset_callbacks([lambda: calls.append("callback")])
+    monkeypatch.setattr(elastic.recovery, "check_ready", lambda: None)
+
+    def train(state):
+        calls.append(f"train {state.step}")
+        if len(calls) < 4:
+            state.step = 3              # uncommitted
+            raise ShutdownError("rank 1 exited or lost its connection")
+        return "done"
+
+    out = elastic.run_fn(train, lambda: calls.append("reset"))(st)
+    assert out == "done"
+    assert calls == ["sync", "train 0", "reset", "callback", "sync", "train 0"]
+
+
+def test_run_reraises_what_is_not_a_lost_rank(monkeypatch):
+    monkeypatch.setattr(elastic.recovery, "check_ready", lambda: None)
+
+    def train(state):
+        raise MismatchError("shapes differ")
+
+    class S(elastic.ObjectState):
+        def sync(self):
+            pass
+
+    with pytest.raises(MismatchError):
+        elastic.run_fn(train, lambda: pytest.fail("no reset"))(S(a=1))
+
+
+def test_elastic_timeout_watchdog_ends_the_job(monkeypatch):
+    import threading
+
+    codes = []
+    monkeypatch.setattr(elastic.recovery.ulfm, "abort", codes.append)
+    elastic.recovery._watch(threading.Event(), 0.05)      # never set: times out
+    assert codes == [75]
+    done = threading.Event()
+    done.set()
+    elastic.recovery._watch(done, 5.0)                    # re-formed in time: nothing
+    assert codes == [75]
+
+
+# ---------------------------------------------------------------- lccrun
+def _build(argv):
+    spec = to_spec(parse_args(argv))
+    return spec, build_command(spec, Machine(mpirun="/x/mpirun", euid=1000, cores=64),
+                               {"PATH": "/usr/bin"})
+
+
+def test_elastic_flags_launch_with_fault_tolerance():
+    spec, launch = _build(["-np", "3", "--min-np", "2", "--elastic-timeout", "30",
+                           "--max-np", "4", "python", "t.py"])
+    assert spec.elastic
+    i = launch.argv.index("--with-ft")
+    assert launch.argv[i + 1] == "ulfm"
+    assert launch.env["LCC_ELASTIC_MIN_NP"] == "2" and launch.env["LCC_ELASTIC_TIMEOUT"] == "30"
+
+
+def test_without_elastic_flags_nothing_changes():
+    spec, launch = _build(["-np", "3", "python", "t.py"])
+    assert not spec.elastic and "--with-ft" not in launch.argv
+    assert "LCC_ELASTIC_MIN_NP" not in launch.env
+
+
+@pytest.mark.parametrize("argv,fragment", [
+    (["-np", "3", "--min-np", "4"], "--min-np 4: must be between 1 and -np (3)"),
+    (["-np", "3", "--min-np", "0"], "--min-np 0"),
+    (["-np", "3", "--max-np", "2"], "--max-np 2 is below -np 3"),
+    (["-np", "3", "--elastic-timeout", "0"], "--elastic-timeout 0"),
+    (["-H", "a:2", "--host-discovery-script", "/bin/true"], "not both"),
+    (["--host-discovery-script", "/nonexistent/x"], "not an executable file"),
+])
+def test_bad_elastic_flags_are_refused(argv, fragment):
+    with pytest.raises(UsageError) as info:
+        to_spec(parse_args([*argv, "python", "t.py"]))
+    assert fragment in str(info.value)
+
+
+def test_host_discovery_script_in_horovods_format(tmp_path):
+    script = tmp_path / "discover.sh"
+    script.write_text("#!/bin/sh\necho hostA:2\necho\necho hostB\n")
+    script.chmod(0o755)
+    spec = to_spec(parse_args(["--host-discovery-script", str(script), "python", "t.py"]))
+    assert [(h.name, h.slots) for h in spec.hosts] == [("hostA", 2), ("hostB", 1)]
+    assert spec.np == 3 and spec.elastic
+
+
+def test_membership_lines_one_per_change_once(tmp_path):
+    (tmp_path / "elastic-1.json").write_text(json.dumps({"size": 2, "lost": [2],
+                                                         "seconds": 0.061}))
+    seen: set[str] = set()
+    assert supervise.membership_lines(str(tmp_path), seen) == [
+        "lccrun: elastic: lost rank 2 (launch numbering); 2 ranks continue, group re-formed "
+        "in 0.06 s"]
+    assert supervise.membership_lines(str(tmp_path), seen) == []
+    (tmp_path / "elastic-2.json").write_text(json.dumps({"size": 1, "lost": [0, 1],
+                                                         "seconds": 1.5}))
+    assert supervise.membership_lines(str(tmp_path), seen) == [
+        "lccrun: elastic: lost ranks 0, 1 (launch numbering); 1 ranks continue, group "
+        "re-formed in 1.50 s"]
+    (tmp_path / "elastic-3.json").write_text(json.dumps({"size": 1, "lost": [], "seconds": 0.2}))
+    assert supervise.membership_lines(str(tmp_path), seen) == [
+        "lccrun: elastic: hosts updated; the same 1 ranks continue, group re-formed in 0.20 s"]
