@@ -94,7 +94,9 @@ def plan(responses: Sequence[Response], threshold: int,
         key = fusion_key(resp, min_compress_bytes)
         size = nbytes(resp) if key is not None else 0
         if key is not None:
-            alone = direct if key[4] == "none" else direct_compressed
+            # auto: reduced like an uncompressed tensor wherever it chose none (one host)
+            alone = direct if key[4] == "none" or key[4].startswith("auto") \
+                else direct_compressed
             if alone and size >= alone:
                 buckets.append([i])       # large: its own bucket, reduced in place
                 continue

@@ -71,6 +71,17 @@ def make(group: Group, resps: list[Response]) -> BucketPlan:
             plan.reduce = algorithms.get(plan.algorithm)
     except Exception as exc:      # an unknown algorithm fails on every rank alike
         plan.error = exc
-    plan.agreed = (faults.enabled() or plan.compressor is not None or plan.error is not None
-                   or plan.algorithm not in NO_AGREEMENT)
+    plan.agreed = (faults.enabled() or plan.error is not None
+                   or plan.algorithm not in NO_AGREEMENT
+                   or _may_fail(plan.compressor, topo, plan.algorithm))
     return plan
+
+
+def _may_fail(comp: Any, topo: Any, algorithm: str) -> bool:
+    """Whether a compressor may fail on one rank alone (then the ranks agree afterwards):
+    any compressor, except ``auto`` under ``flat`` (which hands it the world) while it sends
+    everything uncompressed there (its ``needs_agreement``, the same on every rank)."""
+    if comp is None:
+        return False
+    check = getattr(comp, "needs_agreement", None)
+    return True if check is None or algorithm != "flat" else bool(check(topo.world))
