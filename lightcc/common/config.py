@@ -80,6 +80,13 @@ def _compression_ok(name: str) -> str | None:
         available_compressors().index(name.split(":")[0])
     except ValueError:
         return f"unknown compressor (known: {', '.join(available_compressors())})"
+    if name.split(":")[0] == "auto":
+        from .compression import make
+
+        try:
+            make(name)
+        except ValueError as exc:
+            return str(exc)
     return None
 
 
@@ -118,7 +125,14 @@ KNOBS: tuple[Knob, ...] = (
          "simulated nodes of N (for tests and benchmarks on one machine).", _min(0)),
     Knob("compression", "LCC_COMPRESSION", _parse_str, "none", "",
          "Default compressor for DistributedOptimizer when none is given "
-         "(none, fp16, bf16, fp8, fp8_e5m2, topk, powersgd).", _compression_ok),
+         "(none, auto, fp16, bf16, fp8, fp8_e5m2, topk, powersgd). auto measures the link "
+         "and the codecs during the first steps and picks per tensor (docs/compression.md).",
+         _compression_ok),
+    Knob("compression_accuracy", "LCC_COMPRESSION_ACCURACY", lambda t: t.strip().lower(),
+         "lossless", "",
+         "What compression=auto may choose from: lossless (none, fp16, bf16) or lossy (also "
+         "fp8). Used where auto is given without an accuracy; ranks must agree.",
+         _choice(("lossless", "lossy"))),
     Knob("ef_ttl_steps", "LCC_EF_TTL_STEPS", _parse_int, 10_000, "steps",
          "Error-feedback residuals (TopK, PowerSGD) of a tensor unseen for this many engine "
          "steps are dropped. 0 = keep until cleared.", _min(0)),
@@ -244,6 +258,7 @@ class Config:
     log_level: str
     local_size: int
     compression: str
+    compression_accuracy: str
     ef_ttl_steps: int
     codec_threads: int
     min_compress_bytes: int

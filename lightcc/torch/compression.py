@@ -8,7 +8,8 @@ classes, and users write their own the same way (subclassing :class:`Compressor`
   .compress(t)`` casts a floating-point tensor to float16, as in Horovod), and they also carry
   a ``spec``: passed as ``compression=`` they are not applied tensor by tensor, the engine
   compresses whole fused buckets with the matching format instead.
-- ``Compression.fp8(...)``, ``.topk(...)`` and ``.powersgd(...)`` (lightcc additions) exist
+- ``Compression.auto`` (``auto(accuracy="lossy")``), ``.fp8(...)``, ``.topk(...)`` and
+  ``.powersgd(...)`` (lightcc additions) exist
   only as bucket compressors: their ``compress`` raises, because their output is not a
   tensor other ranks can sum.
 - Any other object with ``compress``/``decompress`` (a user-written class, or a subclass of a
@@ -22,7 +23,7 @@ from typing import Any
 import torch
 
 from ..common.compression.api import Compression as _CoreCompression
-from ..common.compression.api import CompressionSpec
+from ..common.compression.api import CompressionSpec, auto_spec
 from ..common.compression.api import spec_of as _core_spec_of
 from ..common.exceptions import ConfigError, InvalidArgumentError
 
@@ -104,13 +105,23 @@ class BucketCompressor(CompressionSpec):
         raise InvalidArgumentError(f"Compression {self.spec!r} has no per-tensor decompress()")
 
 
+class AutoCompression(BucketCompressor):
+    """``Compression.auto``: the engine picks none, fp16 or bf16 per tensor from measurements
+    of the link and the codecs (lossy formats too with ``Compression.auto(accuracy="lossy")``;
+    plain ``Compression.auto`` takes ``LCC_COMPRESSION_ACCURACY``, default lossless)."""
+
+    def __call__(self, accuracy: str | None = None) -> "AutoCompression":
+        return AutoCompression(auto_spec(accuracy))
+
+
 class Compression:
-    """Compression choices: Horovod's ``none`` and ``fp16``, plus ``bf16``, ``fp8(...)``,
-    ``topk(...)`` and ``powersgd(...)`` (see docs/compression.md)."""
+    """Compression choices: Horovod's ``none`` and ``fp16``, plus ``auto``, ``bf16``,
+    ``fp8(...)``, ``topk(...)`` and ``powersgd(...)`` (see docs/compression.md)."""
 
     none = NoneCompressor
     fp16 = FP16Compressor
     bf16 = BF16Compressor
+    auto = AutoCompression("auto")
 
     @staticmethod
     def fp8(format: str = "e4m3", scaling: str = "bucket",
@@ -193,5 +204,5 @@ def spec_of(compression: Any) -> str | None:
                                    f"compress/decompress; got {compression!r}") from None
 
 
-__all__ = ["BF16Compressor", "BucketCompressor", "Compression", "CompressionSpec", "Compressor",
+__all__ = ["AutoCompression", "BF16Compressor", "BucketCompressor", "Compression", "CompressionSpec", "Compressor",
            "FP16Compressor", "NoneCompressor", "per_tensor", "spec_of"]

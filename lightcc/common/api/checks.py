@@ -128,6 +128,8 @@ def _compression_spec(compression: Any) -> str:
     if not isinstance(spec, str):
         raise InvalidArgumentError(f"compression must be a Compression value or spec string, "
                                    f"got {compression!r}")
+    if spec == "auto":   # the accuracy is part of the spec, so ranks that differ mismatch
+        spec = f"auto:{_get().config.compression_accuracy}"
     if spec not in _VALID_SPECS:
         from .. import compression as comp_mod
 

@@ -1,6 +1,7 @@
 """``Compression``: the public, Horovod-compatible way to name a compressor.
 
-``Compression.none`` and ``Compression.fp16`` are attributes, as in Horovod; ``bf16`` too. The
+``Compression.none`` and ``Compression.fp16`` are attributes, as in Horovod; ``bf16`` and
+``auto`` too (``Compression.auto(accuracy="lossy")`` lets it choose lossy formats). The
 configurable ones are functions: ``Compression.fp8(format="e4m3", scaling="bucket",
 block_size=256)``, ``Compression.topk(ratio=0.01, error_feedback=True)``,
 ``Compression.powersgd(rank=2, warm_start=True, error_feedback=True)``. Each value is a frozen
@@ -29,10 +30,34 @@ class CompressionSpec:
         return make(self.spec)
 
 
+ACCURACIES = ("lossless", "lossy")
+
+
+def auto_spec(accuracy: str | None = None) -> str:
+    """``auto`` (accuracy from ``LCC_COMPRESSION_ACCURACY``) or ``auto:<accuracy>``."""
+    if accuracy is None:
+        return "auto"
+    if accuracy not in ACCURACIES:
+        raise ConfigError(f"Compression.auto: accuracy must be one of {', '.join(ACCURACIES)}, "
+                          f"got {accuracy!r}")
+    return f"auto:{accuracy}"
+
+
+class AutoSpec(CompressionSpec):
+    """``Compression.auto``: usable as is, or called with ``accuracy="lossless"|"lossy"``."""
+
+    def __call__(self, accuracy: str | None = None) -> "AutoSpec":
+        return AutoSpec(auto_spec(accuracy))
+
+
 class Compression:
-    """Namespace of compression choices (Horovod names plus bf16, fp8, topk, powersgd)."""
+    """Namespace of compression choices (Horovod names plus auto, bf16, fp8, topk,
+    powersgd)."""
 
     none = CompressionSpec("none")
+    #: chosen per tensor from measurements of the link and the codecs (docs/compression.md):
+    #: ``Compression.auto`` or ``Compression.auto(accuracy="lossy")``
+    auto = AutoSpec("auto")
     fp16 = CompressionSpec("fp16")
     bf16 = CompressionSpec("bf16")
 
@@ -84,4 +109,4 @@ def spec_of(value) -> str:
     raise ConfigError(f"not a compression choice: {value!r} (use lightcc.Compression.*)")
 
 
-__all__ = ["Compression", "CompressionSpec", "spec_of"]
+__all__ = ["AutoSpec", "Compression", "CompressionSpec", "auto_spec", "spec_of"]

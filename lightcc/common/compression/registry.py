@@ -8,7 +8,7 @@ from .base import Compressor
 _FACTORIES: dict = {}
 # built-in formats and the module that registers each; imported on first use so that
 # `import lightcc` does not pay for numba's start-up when compression is off
-_BUILTIN = {"fp16": "fp", "bf16": "fp", "fp8": "fp", "fp8_e5m2": "fp", "topk": "topk",
+_BUILTIN = {"auto": "auto", "fp16": "fp", "bf16": "fp", "fp8": "fp", "fp8_e5m2": "fp", "topk": "topk",
             "powersgd": "powersgd"}
 
 
