@@ -21,7 +21,7 @@ happens at the same bucket on all of them:
    reduced by that format's compressor (``none``: the communicator's allreduce).
 4. **Re-check** every :data:`CHECK_EVERY` steps: each rank compares the median step time of
    the last window with the first window after the decision; if any rank saw it move by more
-   than :data:`DRIFT`, all measure and decide again.
+   than :data:`DRIFT` (and :data:`DRIFT_MIN_S`), all measure and decide again.
 
 The decision is logged once by world rank 0 and put in the timeline (``AUTO_COMPRESSION``).
 """
@@ -46,6 +46,7 @@ MAX_UNDECIDED_CALLS = 256    # decide after this many buckets even if no name ev
 SAMPLE = 4096                # values per tensor for the range check
 CHECK_EVERY = 50             # steps between drift checks
 DRIFT = 0.25                 # relative change of the median step time that triggers a re-check
+DRIFT_MIN_S = 0.002          # ... when it is also at least this many seconds
 
 
 class _State:
@@ -188,7 +189,7 @@ class AutoCompressor:
         drift = 0.0
         if st.baseline is None:
             st.baseline = median
-        elif st.baseline > 0:
+        elif st.baseline > 0 and abs(median - st.baseline) >= DRIFT_MIN_S:
             drift = abs(median / st.baseline - 1.0)
         flag = as_array(comm, [drift])
         comm.allreduce(flag, "max")
