@@ -235,7 +235,7 @@ def test_a_drifting_step_time_makes_every_rank_decide_again(monkeypatch, auto_en
         if r == 1 and step >= 9:
             time.sleep(0.5)         # steps become much slower from step 9 on: drift
         return _data()(step, r)
-    comps, _, outs = _run_steps(2, ["auto"] * 2, 20, data)
+    comps, _, outs = _run_steps(2, ["auto"] * 2, 24, data)
     assert all(e is None for _, _, errs in outs for e in errs)
     counts = [len(c.decisions) for c in comps]
     assert counts[0] == counts[1] >= 2, counts

@@ -22,7 +22,7 @@ from .base import BucketContext
 log = logging.getLogger("lightcc")
 
 PROBE_SIZES = (1 << 14, 1 << 20)   # probe buffer sizes, fp32 elements (64 KB, 4 MB)
-REPS = 3                     # timed repetitions per probe (the minimum counts)
+REPS = 5                     # timed repetitions per probe (the minimum counts)
 CACHE_TOLERANCE = 0.3        # a cached decision is reused when the link is within this
 
 _ACCURACY_CODE = {a: i + 1 for i, a in enumerate(ac.ACCURACIES)}
@@ -42,10 +42,10 @@ def _probe(comp: Any, comm: Any, fmts: list[str], like: Any) -> dict[str, tuple[
     src = as_array(comm, np.linspace(-1.0, 1.0, big, dtype=np.float32), np.float32)
     work = src.copy()
     times = np.full((len(fmts), len(PROBE_SIZES)), np.inf)
-    for i, fmt in enumerate(fmts):
-        for j, n in enumerate(PROBE_SIZES):
-            ctx = BucketContext(("auto.probe",), (0,), (n,))
-            for _ in range(REPS):
+    ctxs = [BucketContext(("auto.probe",), (0,), (n,)) for n in PROBE_SIZES]
+    for _ in range(REPS):        # formats interleaved: a load spike hits them alike
+        for i, fmt in enumerate(fmts):
+            for j, n in enumerate(PROBE_SIZES):
                 buf = work[:n]
                 buf[...] = src[:n]
                 comm.barrier()
@@ -53,7 +53,7 @@ def _probe(comp: Any, comm: Any, fmts: list[str], like: Any) -> dict[str, tuple[
                 if fmt == "none":
                     comm.allreduce(buf, "sum")
                 else:
-                    comp._compressor(fmt).allreduce(comm, buf, ctx)
+                    comp._compressor(fmt).allreduce(comm, buf, ctxs[j])
                 _sync(comm)
                 times[i, j] = min(times[i, j], time.perf_counter() - t0)
     arr = as_array(comm, times.reshape(-1).tolist())
