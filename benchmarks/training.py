@@ -9,14 +9,15 @@ One command prints one table (images/s over all ranks, and ratios to a baseline 
 
 Columns (``--configs``, comma separated):
 
-- ``lightcc`` / ``lightcc:fp16`` / ``:bf16`` / ``:fp8`` / ``:topk``: ``lightcc.torch``'s
-  ``DistributedOptimizer`` with that compressor;
+- ``lightcc`` / ``lightcc:fp16`` / ``:bf16`` / ``:fp8`` / ``:topk`` / ``:auto`` /
+  ``:auto-lossy``: ``lightcc.torch``'s ``DistributedOptimizer`` with that compressor
+  (``auto-lossy``: ``Compression.auto(accuracy="lossy")``);
 - ``cross_barrier`` / ``cross_barrier:fp16`` / ...: the same with ``cross_barrier=True``
   (docs/cross-barrier.md): each module's update is applied just before its next forward;
 - ``ddp`` / ``ddp:fp16`` / ``ddp:bf16``: ``DistributedDataParallel`` on gloo, plain or with
   torch's own ``fp16_compress_hook`` / ``bf16_compress_hook`` (torch 2.13 refuses its bf16
   hook without CUDA/NCCL, so ``ddp:bf16`` runs only on GPU builds and is not a default);
-- ``ddp-lcc`` / ``ddp-lcc:fp16`` / ``:bf16`` / ``:fp8`` / ``:topk`` / ``:powersgd``:
+- ``ddp-lcc`` / ``ddp-lcc:fp16`` / ``:bf16`` / ``:fp8`` / ``:topk`` / ``:powersgd`` / ``:auto``:
   ``DistributedDataParallel`` on the torch.distributed backend ``lightcc``, plain or with
   that ``lightcc.torch.ddp_hooks`` hook;
 - ``fsdp`` / ``fsdp:reduce-bf16``: FSDP2 (``fully_shard`` per child module) on gloo, plain
@@ -346,6 +347,8 @@ def _min():
 def _compression(lcc, name: str):
     if name == "none":
         return lcc.Compression.none
+    if name == "auto-lossy":
+        return lcc.Compression.auto(accuracy="lossy")
     value = getattr(lcc.Compression, name)
     return value() if callable(value) else value
 

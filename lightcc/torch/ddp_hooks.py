@@ -11,9 +11,9 @@ or ``ddp_hooks.register(model, "topk")``. Each hook hands the bucket to lightcc'
 allreduce (the engine's two-phase fp16/bf16/fp8 scheme, TopK's sparse allgather, PowerSGD's
 factor allreduces) on its background thread and returns a future that completes with the
 averaged bucket, identical bit for bit on every rank. fp16/bf16 (element-wise) submit the
-bucket as one tensor; fp8, TopK and PowerSGD submit each parameter's gradient as a tensor of
-its own (a view of the bucket), so each parameter gets its own scales, its own k and its own
-factors, exactly as under ``DistributedOptimizer`` (and parameters under
+bucket as one tensor; auto, fp8, TopK and PowerSGD submit each parameter's gradient as a
+tensor of its own (a view of the bucket), so each parameter gets its own format (auto), its
+own scales, its own k and its own factors, exactly as under ``DistributedOptimizer`` (and parameters under
 ``LCC_MIN_COMPRESS_BYTES`` travel uncompressed). Buckets go on the process set's ordered stream
 (DDP runs the hooks in bucket order on every rank) under names built from ``HookState.name``
 and the parameter (``name:param``: its name in the model when the hook was registered with
@@ -47,7 +47,7 @@ from ._tensor import host_stage
 from .c10d.work import LightCCWork
 
 FutureTensor = torch.futures.Future[torch.Tensor]   # what DDP checks the annotation against
-_FAMILIES = {"fp16": "fp16", "bf16": "bf16", "fp8": "fp8", "fp8_e5m2": "fp8", "topk": "topk",
+_FAMILIES = {"auto": "auto", "fp16": "fp16", "bf16": "bf16", "fp8": "fp8", "fp8_e5m2": "fp8", "topk": "topk",
              "powersgd": "powersgd"}
 _names_lock = threading.Lock()
 _used_names: dict[str, int] = {}
@@ -185,6 +185,13 @@ def _reduce(state: HookState, bucket: dist.GradBucket, family: str,
     return work.get_future()
 
 
+def auto_hook(state: HookState | None, bucket: dist.GradBucket) -> FutureTensor:
+    """Average each parameter's gradient in the format ``compression=auto`` chose for it
+    (none, fp16 or bf16; fp8 too with ``Compression.auto(accuracy="lossy")``) from
+    measurements of the link and the codecs (docs/compression.md)."""
+    return _reduce(state or _default("auto"), bucket, "auto", True)
+
+
 def fp16_hook(state: HookState | None, bucket: dist.GradBucket) -> FutureTensor:
     """Average the bucket as fp16 over lightcc's two-phase scheme (half the bytes of fp32)."""
     return _reduce(state or _default("fp16"), bucket, "fp16", False)
@@ -216,10 +223,10 @@ def powersgd_hook(state: HookState | None, bucket: dist.GradBucket) -> FutureTen
 
 
 HOOKS: dict[str, Callable[[Any, dist.GradBucket], FutureTensor]] = {
-    "fp16": fp16_hook, "bf16": bf16_hook, "fp8": fp8_hook, "fp8_e5m2": fp8_hook,
+    "auto": auto_hook, "fp16": fp16_hook, "bf16": bf16_hook, "fp8": fp8_hook, "fp8_e5m2": fp8_hook,
     "topk": topk_hook, "powersgd": powersgd_hook,
 }
-_DEFAULT_SPECS = {"fp16": Compression.fp16, "bf16": Compression.bf16,
+_DEFAULT_SPECS = {"auto": Compression.auto, "fp16": Compression.fp16, "bf16": Compression.bf16,
                   "fp8": Compression.fp8(), "fp8_e5m2": Compression.fp8("e5m2"),
                   "topk": Compression.topk(0.01), "powersgd": Compression.powersgd(2)}
 _defaults: dict[str, HookState] = {}
@@ -238,7 +245,8 @@ def _default(kind: str) -> HookState:
 
 def register(model: torch.nn.parallel.DistributedDataParallel, kind: str,
              compression: CompressionSpec | str | None = None, **state_kw: Any) -> HookState:
-    """Register the ``kind`` hook (fp16, bf16, fp8, fp8_e5m2, topk, powersgd) on a DDP model.
+    """Register the ``kind`` hook (auto, fp16, bf16, fp8, fp8_e5m2, topk, powersgd) on a DDP
+    model.
 
     ``compression`` overrides the default of that kind (e.g. ``Compression.topk(0.001)``).
     Returns the hook's state (for ``state_dict``).
@@ -252,5 +260,5 @@ def register(model: torch.nn.parallel.DistributedDataParallel, kind: str,
     return state
 
 
-__all__ = ["Compression", "HOOKS", "HookState", "LightCCFuture", "bf16_hook", "fp16_hook",
-           "fp8_hook", "powersgd_hook", "register", "topk_hook"]
+__all__ = ["Compression", "HOOKS", "HookState", "LightCCFuture", "auto_hook", "bf16_hook",
+           "fp16_hook", "fp8_hook", "powersgd_hook", "register", "topk_hook"]
