@@ -86,6 +86,7 @@ def test_accuracy_knobs_and_errors(monkeypatch):
     with pytest.raises(ConfigError, match="LCC_COMPRESSION"):
         config.load(environ={"LCC_COMPRESSION": "auto:fast"})
     assert config.load(environ={"LCC_COMPRESSION": "auto"}).compression_accuracy == "lossless"
+    pytest.importorskip("torch")
     import lightcc.torch as lcc
 
     assert lcc.Compression.auto.spec == "auto"

@@ -206,6 +206,7 @@ class AutoCompressor:
                             100 * worst, 1e3 * st.baseline, 1e3 * median)
             st.codes, st.baseline, st.calls, st.strikes = None, None, 0, 0
             st.measure_from, st.errors = st.steps, {}
+            st.order, st.index, st.sizes = [], {}, {}   # forget tensors no longer reduced
 
     # -- the decision ----------------------------------------------------------------------
     def _decide(self, comm: Any, st: _State, buf: Any) -> None:
