@@ -175,16 +175,23 @@ def test_stream_order_and_no_host_sync(gpu):
                 and i > 0]
         call = nccl[-1]                               # the bucket (the first is the flag)
         comm_stream = log[call][1]
-        pack = max(i for i, r in enumerate(log[:call]) if r[0] == "launch"
-                   and r[2].startswith("lcc_pack"))
+        # the two ranks' records interleave: this rank's pack is the last one on a stream
+        # whose event, recorded after it, NCCL's stream waits for before the call
+        packs = [i for i, r in enumerate(log[:call]) if r[0] == "launch"
+                 and r[2].startswith("lcc_pack")]
+
+        def ordered_before_call(pack):
+            events = [r[2] for r in log[pack:call] if r[0] == "record" and r[1] == log[pack][1]]
+            return any(("wait", comm_stream, e) in log[pack:call] for e in events)
+
+        mine = [i for i in packs if ordered_before_call(i)]
+        assert packs and mine, "NCCL's stream did not wait for the pack kernel"
+        pack = mine[-1]
         engine = log[pack][1]
         assert engine not in (0, comm_stream)
         ready = [r[2] for r in log[:pack] if r[0] == "record" and r[1] == 0]
         waited = [r[2] for r in log[:pack] if r[0] == "wait" and r[1] == engine]
         assert set(ready) & set(waited), "engine stream never waited on the producer's event"
-        before = [r[2] for r in log[pack:call] if r[0] == "record" and r[1] == engine]
-        assert any(("wait", comm_stream, e) in log[pack:call] for e in before), \
-            "NCCL's stream did not wait for the pack kernel"
         unpack = next(i for i, r in enumerate(log) if i > call and r[0] == "launch"
                       and r[2].startswith("lcc_unpack") and r[1] == engine)
         after = [r[2] for r in log[call:unpack] if r[0] == "record" and r[1] == comm_stream]
