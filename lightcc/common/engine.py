@@ -115,6 +115,7 @@ class Engine(ControlLink, BatchRunner):
         self._urgent = False                 # the queue holds work nobody may hold back
         self._flushed_at = 0.0               # when the queue was last sent (burst gathering)
         self._plans: dict[tuple, list[list[int]]] = {}   # see _plan()
+        self._backlog: deque = deque()       # agreed buckets not yet executed (_run_backlog)
         self._direct = fusion.direct_bytes(self.topo.num_nodes)   # the same on every rank
         self.missed_wakeups = 0              # background sleeps that ignored queued work
         self.listeners: list = []      # callables(event: str, **info), e.g. the autotuner
@@ -251,8 +252,10 @@ class Engine(ControlLink, BatchRunner):
                     continue          # another thread is stepping; look at the handle again
                 try:
                     if not handle._done:
+                        self._driving_for = handle      # see _should_yield
                         self._step(wait, handle)
                 finally:
+                    self._driving_for = None
                     self._progress.release()
         finally:
             with self._cv:
@@ -312,7 +315,7 @@ class Engine(ControlLink, BatchRunner):
             log.exception("lightcc background thread failed")
             with self._lock:
                 self._dead = exc
-                entries = list(self._inflight.values())
+                entries = list(self._inflight.values()) + self._backlog_entries()
                 self._inflight.clear()
                 self._queue.clear()
                 self._streams.clear()
@@ -333,6 +336,8 @@ class Engine(ControlLink, BatchRunner):
         few control rounds, not one each; the shared ordered stream and a waiting thread are
         never held.
         """
+        if self._backlog and self._resume(handle):    # agreed buckets first, in order
+            return 0.0
         hold = 0.0
         if background and self._queue and not self._urgent and not self._drivers:
             if self.lazy:
@@ -382,7 +387,7 @@ class Engine(ControlLink, BatchRunner):
     # ---- shutdown ----------------------------------------------------------------------------
     def _fail_all(self, make_error) -> None:
         with self._lock:
-            entries = list(self._inflight.values())
+            entries = list(self._inflight.values()) + self._backlog_entries()
             self._inflight.clear()
             self._queue.clear()
             self._streams.clear()
