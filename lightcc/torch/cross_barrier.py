@@ -52,6 +52,15 @@ def check_optimizer(optimizer: torch.optim.Optimizer) -> None:
             f"time: use cross_barrier=False")
 
 
+def _completed(handle: Any) -> bool:
+    """Has this reduction's handle (a Handle, or a gradient's pieces) completed? Never waits;
+    False for what it cannot tell."""
+    pieces = getattr(handle, "handles", None)
+    if pieces is not None:
+        return all(getattr(h, "_done", False) for h in pieces)
+    return getattr(handle, "_done", False) is True
+
+
 class _Reduction:
     """One started reduction (a parameter, or a group reduced together) and its outcome."""
 
@@ -87,9 +96,12 @@ class CrossBarrierOptimizer(_DistributedOptimizer):
         super().__init__(optimizer, *args)
         self._partition_bytes = PARTITION_BYTES
         self._pending: dict = {}              # parameter -> _Pending
+        self._orders: dict = {}               # param group index -> (params, positions)
         self._module_hooks: list = []
         self._plan: dict = {}                 # module -> parameters its pre-hook applies
-        self._called: set = set()             # modules the first forward called
+        self._called: set = set()             # modules called (first forward; since step())
+        self._swept: set = set()              # updates applied ahead of their module's call
+        self._owners: Any = None              # parameter -> modules whose pre-hook applies it
         self._learning = True
         self._claimed: set = set()            # parameters some module's pre-hook applies
         self._model = model
@@ -112,6 +124,7 @@ class CrossBarrierOptimizer(_DistributedOptimizer):
                     module.register_forward_pre_hook(self._make_pre_hook(module)))
             self._plan[module].extend(own)
             self._claimed.update(own)
+        self._owners = None
 
     def _adopt_orphans(self) -> None:
         """After the first forward: parameters whose owners were never called go to the
@@ -133,24 +146,36 @@ class CrossBarrierOptimizer(_DistributedOptimizer):
                 for p in self._plan[module]:     # needed when ``up`` starts
                     self._priority.setdefault(p, first)
         self._called.clear()
+        self._owners = None
+
+    def _owner_called(self, p: torch.Tensor) -> bool:
+        """Was a module whose pre-hook applies ``p`` called since the last ``step()``?"""
+        if self._owners is None:
+            self._owners = {}
+            for module, params in self._plan.items():
+                for q in params:
+                    self._owners.setdefault(q, []).append(module)
+        return any(m in self._called for m in self._owners.get(p, ()))
 
     def _make_pre_hook(self, module: torch.nn.Module) -> Any:
         plan, called = self._plan, self._called
 
         def pre_forward(mod: Any, args: Any) -> None:
+            called.add(mod)
             if self._learning:
-                called.add(mod)
                 for p in plan[mod]:        # forward order: the next forward's needs go first
                     self._priority.setdefault(p, len(self._priority) + 1)
             if self._pending:
                 pending = self._pending
-                self._apply([p for p in plan[mod] if p in pending])
+                own = [p for p in plan[mod] if p in pending]
+                if own:
+                    self._apply_ready(own)
         # torch.compile: run the wait eagerly (a graph break at each such module).
         disable = getattr(getattr(torch, "_dynamo", None), "disable", None)
         return disable(pre_forward) if disable is not None else pre_forward
 
     def _on_grad(self, p: torch.Tensor) -> None:
-        if p in self._pending:
+        if p in self._pending or (p in self._swept and not self._owner_called(p)):
             name = self._parameter_names.get(p, "?")
             raise InvalidArgumentError(
                 f"cross_barrier: parameter '{name}' got a gradient while its update from the "
@@ -178,6 +203,24 @@ class CrossBarrierOptimizer(_DistributedOptimizer):
             for p, g in zip(members, saved):
                 p.grad = g
 
+    def _apply_ready(self, params: list) -> None:
+        """Wait for the reductions of ``params`` and apply, in one optimizer step, their
+        updates and those of every other parameter whose reduction has completed meanwhile
+        (the engine completes handles bucket by bucket, in the next forward's order): the
+        next modules' pre-hooks then find nothing to do, and a forward costs about one
+        optimizer step per bucket instead of one per module."""
+        for p in params:
+            self._finish_reduction(self._pending[p].reduction)
+        wanted = set(params)
+        ready = {}
+        for p, rec in self._pending.items():
+            red = rec.reduction
+            if p in wanted or red.done or _completed(red.handle):
+                ready[p] = None
+                if p not in wanted:     # applied before its module is called: a later read
+                    self._swept.add(p)  # by another module is checked in _on_grad
+        self._apply(list(ready))
+
     def _apply(self, params: list) -> None:
         """Apply the pending updates of ``params`` (in place), each with its step's
         hyperparameters, through the wrapped optimizer restricted to them."""
@@ -192,8 +235,8 @@ class CrossBarrierOptimizer(_DistributedOptimizer):
         groups = []
         for index in sorted(by_group):
             hyper, members = by_group[index]
-            order = {p: i for i, p in enumerate(self._opt.param_groups[index]["params"])}
-            members.sort(key=lambda q: order[q])
+            order = self._order(index)
+            members.sort(key=order.__getitem__)
             groups.append({**hyper, "params": members})
         original = self._opt.param_groups
         saved = [p.grad for p in params]
@@ -208,6 +251,14 @@ class CrossBarrierOptimizer(_DistributedOptimizer):
                 p.grad = g
             for p in params:
                 del self._pending[p]
+
+    def _order(self, index: int) -> dict:
+        """Parameter -> position in param group ``index`` (cached; add_param_group resets)."""
+        params = self._opt.param_groups[index]["params"]
+        cached = self._orders.get(index)
+        if cached is None or cached[0] is not params or len(cached[1]) != len(params):
+            cached = self._orders[index] = (params, {p: i for i, p in enumerate(params)})
+        return cached[1]
 
     def _drain(self) -> None:
         """Apply every pending update (in registration order)."""
@@ -230,13 +281,17 @@ class CrossBarrierOptimizer(_DistributedOptimizer):
                                        "(a closure re-evaluates the model with the updated "
                                        "parameters)")
         self._drain()                  # updates no forward used since the last step()
+        self._swept.clear()
         if not self._should_synchronize or not self.process_set.included() or \
                 not self._watching():
             # After an explicit synchronize() (clipping, GradScaler), or nothing to reduce:
             # the barrier-mode step.
+            if not self._learning:
+                self._called.clear()
             return super().step()
         if self._learning:
             self._adopt_orphans()
+        self._called.clear()
         self._start_missing()
         hyper = [_snapshot(g) for g in self._opt.param_groups]
         group_of = {p: i for i, g in enumerate(self._opt.param_groups) for p in g["params"]}

@@ -25,10 +25,25 @@ _EXEC_FIELDS = ("fusion_threshold", "algorithm", "auto_thresholds", "min_compres
 PLAN_CACHE = 64             # remembered bucket plans of repeated batches
 
 
+class _Work:
+    """An agreed batch being executed: its buckets and the next one to run."""
+
+    __slots__ = ("batch", "buckets", "entries", "next", "responses", "touched")
+
+    def __init__(self, batch: Batch, responses: list, entries: list, buckets: list) -> None:
+        self.batch, self.responses, self.entries, self.buckets = batch, responses, entries, buckets
+        self.next = 0
+        self.touched: set[int] = set()
+
+
 class BatchRunner:
     """Executing agreed batches, as the engine does it (see module docstring)."""
 
+    _driving_for: Any = None     # the handle the thread stepping now waits for (None: none)
+
     def _execute(self, batch: Batch) -> None:
+        if self._backlog:         # a batch is applied only after the ones before it ran
+            self._run_backlog(force=True)
         if batch.settings:
             self._apply_settings(batch.settings)
         if batch.gone:
@@ -49,24 +64,69 @@ class BatchRunner:
         if self.tracer.enabled:
             self.tracer.instant("engine", "CYCLE", time.perf_counter(), step=self.batches,
                                 responses=len(responses))
-        touched: set[int] = set()
-        for bucket in self._plan(batch, responses):
-            first = responses[bucket[0]]
-            req = first.request
-            touched.add(req.pset)
-            if not first.error and req.coll in (Coll.ADD_PSET, Coll.REMOVE_PSET):
-                self._change_psets(first)     # the engine's groups change here
-            if run_bucket(self.groups.get(req.pset), [responses[i] for i in bucket],
-                          [entries[i] for i in bucket], self._joined, self.tracer,
-                          self._notify) and req.coll == Coll.JOIN:
-                self._joined = False
-        for pset in touched:
-            group = self.groups.get(pset)
-            if group is not None:
-                group.step += 1
-        self.batches += 1
-        if batch.shutdown:
-            self._remote_shutdown(batch.shutdown)
+        self._backlog.append(_Work(batch, responses, entries, self._plan(batch, responses)))
+        self._run_backlog()
+
+    def _run_backlog(self, force: bool = False) -> None:
+        """Execute agreed buckets in order, batch after batch, until none is left or the
+        thread should stop at a bucket boundary (:meth:`_should_yield`; never with ``force``): a driver whose handle
+        is done, or the background thread while a driver waits. What is left stays in the
+        backlog, which every step executes first, so the order is the same on every rank and
+        a thread waiting for one bucket does not wait for the rest of its batch."""
+        backlog = self._backlog
+        while backlog:
+            work = backlog[0]
+            buckets, responses, entries = work.buckets, work.responses, work.entries
+            while work.next < len(buckets):
+                if work.next and not force and self._should_yield():
+                    return
+                bucket = buckets[work.next]
+                work.next += 1
+                first = responses[bucket[0]]
+                req = first.request
+                work.touched.add(req.pset)
+                if not first.error and req.coll in (Coll.ADD_PSET, Coll.REMOVE_PSET):
+                    self._change_psets(first)     # the engine's groups change here
+                if run_bucket(self.groups.get(req.pset), [responses[i] for i in bucket],
+                              [entries[i] for i in bucket], self._joined, self.tracer,
+                              self._notify) and req.coll == Coll.JOIN:
+                    self._joined = False
+            backlog.popleft()
+            for pset in work.touched:
+                group = self.groups.get(pset)
+                if group is not None:
+                    group.step += 1
+            self.batches += 1
+            if work.batch.shutdown:
+                self._remote_shutdown(work.batch.shutdown)
+
+    def _resume(self, handle: Any) -> bool:
+        """Execute the backlog first in a step; True when the step should end here (buckets
+        are left, or the driver's ``handle`` is done)."""
+        self._run_backlog()
+        return bool(self._backlog) or (handle is not None and handle._done)
+
+    def _should_yield(self) -> bool:
+        """Stop executing at this bucket boundary? A driver (``_driving_for``, its handle)
+        stops once its handle is done, except in lazy mode (there the rest of the batch would
+        run on the background thread beside the training thread's compute, on the same
+        cores); the background thread stops as soon as a driver waits, which then executes
+        the next bucket itself."""
+        if self._stopping:
+            return False
+        handle = self._driving_for
+        if handle is None:
+            return self._drivers > 0
+        return handle._done and not self.lazy
+
+    def _backlog_entries(self) -> list:
+        """Take the entries of every bucket not yet executed (to fail their handles)."""
+        entries = []
+        for work in self._backlog:
+            for bucket in work.buckets[work.next:]:
+                entries.extend(work.entries[i] for i in bucket if work.entries[i] is not None)
+        self._backlog.clear()
+        return entries
 
     def _plan(self, batch: Batch, responses: list[Response]) -> list[list[int]]:
         """fusion.plan, remembered for batches made only of cache ids (training repeats the

@@ -82,17 +82,29 @@ def direct_bytes(num_nodes: int) -> tuple[int, int]:
     return MULTI_HOST_DIRECT_BYTES, MULTI_HOST_DIRECT_BYTES
 
 
+#: Prioritized allreduces (``Request.priority``, cross-barrier mode) are fused into buckets
+#: that grow within a batch: the first holds at most this many bytes, each next one twice as
+#: many (up to the fusion threshold). The batch is in priority order, so what the next forward
+#: needs first is reduced first, in a small bucket, and its handles complete while the rest of
+#: the batch is still on the wire; the later, larger buckets keep the number of calls at
+#: about log2(batch bytes / this).
+PRIORITY_BUCKET_BYTES = 1 << 20
+
+
 def plan(responses: Sequence[Response], threshold: int,
          min_compress_bytes: int = 0, direct: int = DIRECT_BYTES,
          direct_compressed: int = 0) -> list[list[int]]:
     """Group response indices into buckets (see module docstring); order follows the batch.
     ``direct`` / ``direct_compressed``: uncompressed / compressed tensors of at least this many
-    bytes get a bucket of their own (0: none do)."""
+    bytes get a bucket of their own (0: none do). Prioritized requests: see
+    :data:`PRIORITY_BUCKET_BYTES`."""
     buckets: list[list[int]] = []
     open_bucket: dict[tuple, tuple[int, int]] = {}  # key -> (bucket index, bytes so far)
+    caps: dict[tuple, int] = {}                     # key -> cap of its prioritized buckets
     for i, resp in enumerate(responses):
         key = fusion_key(resp, min_compress_bytes)
         size = nbytes(resp) if key is not None else 0
+        limit = threshold
         if key is not None:
             # auto: reduced like an uncompressed tensor wherever it chose none (one host)
             alone = direct if key[4] == "none" or key[4].startswith("auto") \
@@ -100,14 +112,20 @@ def plan(responses: Sequence[Response], threshold: int,
             if alone and size >= alone:
                 buckets.append([i])       # large: its own bucket, reduced in place
                 continue
+            if resp.request.priority:
+                key = key + (True,)
+                limit = min(threshold, caps.setdefault(key, PRIORITY_BUCKET_BYTES))
         if key is not None and key in open_bucket:
             b, used = open_bucket[key]
-            if used + size <= threshold:
+            if used + size <= limit:
                 buckets[b].append(i)
                 open_bucket[key] = (b, used + size)
                 continue
+            if key in caps:                # the next prioritized bucket may be larger
+                caps[key] *= 2
+                limit = min(threshold, caps[key])
         buckets.append([i])
-        if key is not None and size < threshold:
+        if key is not None and size < limit:
             open_bucket[key] = (len(buckets) - 1, size)   # a big one leaves the open bucket be
     return buckets
 
