@@ -7,7 +7,7 @@
 Each rank trains ``benchmarks/models.py``'s model (default resmlp) for a few steps in each mode
 with lightcc's timeline on (``start_timeline``), adding its own spans: the forward and the
 backward of every top-level module, each update (barrier mode: ``step()``; cross-barrier mode:
-each module's pre-forward wait + update) and the step boundaries. Rank 0 then draws, per mode,
+each pre-forward wait, red, with the update it applies, green, on top) and the step boundaries. Rank 0 then draws, per mode,
 the step ``--step`` from the start of its forward to the end of the next forward: rows
 forward / backward / wire (every bucket's reduction span from the engine's timeline) / update.
 Needs matplotlib.
@@ -79,23 +79,30 @@ def train(mode: str, model_name: str, batch: int, steps: int, compression, path:
                                                      model.named_parameters()],
                                    compression=compression, cross_barrier=xbar,
                                    model=model if xbar else None)
-    if xbar:                                   # each module's wait + update, as one span
-        apply = opt._apply
+    if xbar:            # each pre-forward wait + update (red), each update inside it (green)
+        apply, ready = opt._apply, opt._apply_ready
 
         def timed_apply(params):
             t0 = time.perf_counter()
             apply(params)
             if params:
-                span("xb.update", "wait+update", t0, time.perf_counter())
-        opt._apply = timed_apply
+                span("xb.update", "update", t0, time.perf_counter())
+
+        def timed_ready(params):
+            t0 = time.perf_counter()
+            ready(params)
+            span("xb.update", "wait", t0, time.perf_counter())
+        opt._apply, opt._apply_ready = timed_apply, timed_ready
     instrument(model)
     lcc.broadcast_parameters(model.state_dict(), root_rank=0)
     g = torch.Generator().manual_seed(lcc.rank())
     x = torch.randn(batch, 1, 28, 28, generator=g)
     y = torch.randint(0, 10, (batch,), generator=g)
     lcc.start_timeline(path)
+    starts = []
     for _ in range(steps):
         t = time.perf_counter()
+        starts.append(t)
         span("xb.step", "STEP", t, t + 1e-6)
         opt.zero_grad()
         F.cross_entropy(model(x), y).backward()
@@ -106,6 +113,10 @@ def train(mode: str, model_name: str, batch: int, steps: int, compression, path:
     model(x)                                    # the forward after the last step
     opt.synchronize()
     lcc.stop_timeline()
+    times = sorted(b - a for a, b in zip(starts[1:], starts[2:]))
+    if lcc.rank() == 0 and times:
+        print(f"{mode}: step ms (from the second step) median {1e3 * times[len(times) // 2]:.0f}"
+              f", min {1e3 * times[0]:.0f}, max {1e3 * times[-1]:.0f}", flush=True)
 
 
 def load(path: str) -> list[dict]:
@@ -154,10 +165,12 @@ def plot(paths: dict, step: int, out: str, title: str) -> None:
     fig, axes = plt.subplots(2, 1, figsize=(12, 4.6), sharex=True)
     for ax, (mode, path) in zip(axes, paths.items()):
         rows, lo, hi = rows_of(load(path), step)
-        for y, row in enumerate(ROWS):
-            for i, e in enumerate(sorted(rows[row], key=lambda e: e["ts"])):
+        for y, row in enumerate(ROWS):        # waits first: the updates inside them on top
+            for i, e in enumerate(sorted(rows[row], key=lambda e: (e["name"] != "wait",
+                                                                    e["ts"]))):
+                color = COLORS["wait"] if e["name"] == "wait" else COLORS[row]
                 ax.barh(y, e["dur"] / 1e3, left=(e["ts"] - lo) / 1e3, height=0.7,
-                        color=COLORS[row], alpha=0.55 + 0.45 * (i % 2), edgecolor="none")
+                        color=color, alpha=0.55 + 0.45 * (i % 2), edgecolor="none")
         ax.axvline((hi - lo) / 1e3, color="k", lw=1)
         ax.text((hi - lo) / 1e3, -0.6, f" next forward done: {(hi - lo) / 1e3:.0f} ms",
                 fontsize=8, va="bottom")

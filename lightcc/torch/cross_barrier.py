@@ -18,6 +18,7 @@ being reduced: the pending update holds that tensor, and the parameter gets a fr
 """
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import torch
@@ -37,6 +38,14 @@ PER_PARAMETER = ("SGD", "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "RMSprop", 
 #: before the rest in the next batch instead of waiting behind a 25 MB tensor.
 PARTITION_BYTES = 1 << 20
 
+#: While a module's pre-hook waits for its reductions, it applies the updates of completed
+#: reductions this many parameters at a time (re-checking its own between two).
+SWEEP_CHUNK = 16
+
+#: Once a module's parameters are reduced, its pre-hook also applies the completed updates of
+#: the parameters the forward needs within this many positions after its own.
+SWEEP_AHEAD = 16
+
 
 def check_optimizer(optimizer: torch.optim.Optimizer) -> None:
     """Refuse optimizers whose update of one parameter may read the others (LBFGS, Muon, any
@@ -50,6 +59,26 @@ def check_optimizer(optimizer: torch.optim.Optimizer) -> None:
             f"(torch.optim {', '.join(PER_PARAMETER)}); {cls.__module__}.{cls.__name__} may "
             f"need every parameter at once, so it cannot update parameters one module at a "
             f"time: use cross_barrier=False")
+
+
+def _await(handle: Any) -> bool:
+    """Wait for a reduction without driving the engine, when its background thread sends
+    eagerly (not lazy mode): it then executes the agreed buckets back to back, in the next
+    forward's order, and this thread wakes as soon as its own bucket is done (a driver would
+    take the engine over bucket by bucket, and hand it back between modules). False, without
+    waiting, for lazy mode and anything else: ``Handle.wait`` (which drives) does it."""
+    for h in getattr(handle, "handles", None) or (handle,):
+        if getattr(h, "_done", False) is True:
+            continue
+        engine = getattr(h, "_engine", None)
+        if engine is None or engine.lazy or not hasattr(h, "_waiter"):
+            return False
+        waiter = h._waiter
+        if waiter is None:
+            waiter = h._waiter = threading.Event()
+        while not h._done and engine._dead is None and not engine._stopping:
+            waiter.wait(1.0)             # _set() publishes the flag, then sets the event
+    return True
 
 
 def _completed(handle: Any) -> bool:
@@ -204,22 +233,45 @@ class CrossBarrierOptimizer(_DistributedOptimizer):
                 p.grad = g
 
     def _apply_ready(self, params: list) -> None:
-        """Wait for the reductions of ``params`` and apply, in one optimizer step, their
-        updates and those of every other parameter whose reduction has completed meanwhile
-        (the engine completes handles bucket by bucket, in the next forward's order): the
-        next modules' pre-hooks then find nothing to do, and a forward costs about one
-        optimizer step per bucket instead of one per module."""
-        for p in params:
-            self._finish_reduction(self._pending[p].reduction)
+        """Wait for the reductions of ``params`` (a module's) and apply their updates.
+
+        While waiting, apply the updates of other parameters whose reductions completed (in
+        the next forward's order, :data:`SWEEP_CHUNK` at a time): the optimizer's CPU time
+        then hides behind the wire instead of following it. Once ``params`` are reduced, apply
+        them with the completed ones needed within the next :data:`SWEEP_AHEAD` parameters of
+        the forward order, in one optimizer step, so the next modules' pre-hooks usually find
+        nothing to do (a forward costs a few optimizer steps, not one per module)."""
+        pending = self._pending
+        reds = list({id(r): r for r in (pending[p].reduction for p in params)}.values())
         wanted = set(params)
-        ready = {}
-        for p, rec in self._pending.items():
-            red = rec.reduction
-            if p in wanted or red.done or _completed(red.handle):
-                ready[p] = None
-                if p not in wanted:     # applied before its module is called: a later read
-                    self._swept.add(p)  # by another module is checked in _on_grad
-        self._apply(list(ready))
+        while True:
+            left = [r for r in reds if not (r.done or _completed(r.handle))]
+            if not left:
+                break
+            extra = self._completed_extras(wanted, SWEEP_CHUNK)
+            if extra:
+                self._swept.update(extra)
+                self._apply(extra)
+            elif not _await(left[0].handle):     # lazy mode: Handle.wait drives, below
+                break
+        for red in reds:
+            self._finish_reduction(red)
+        priority = self._priority
+        near = max(priority.get(p, 0) for p in params) + SWEEP_AHEAD
+        extra = self._completed_extras(wanted, None, near)
+        self._swept.update(extra)      # applied before their module is called: a read by
+        self._apply(params + extra)    # another module is checked in _on_grad
+
+    def _completed_extras(self, wanted: set, most: int | None = None,
+                          up_to: int | None = None) -> list:
+        """Pending parameters outside ``wanted`` whose reductions completed (and whose
+        forward-order priority is at most ``up_to``), first needed first, at most ``most``."""
+        priority = self._priority
+        done = [p for p, rec in self._pending.items()
+                if p not in wanted and (rec.reduction.done or _completed(rec.reduction.handle))
+                and (up_to is None or priority.get(p, 0) <= up_to)]
+        done.sort(key=lambda p: priority.get(p, 0))
+        return done if most is None else done[:most]
 
     def _apply(self, params: list) -> None:
         """Apply the pending updates of ``params`` (in place), each with its step's

@@ -21,7 +21,7 @@ SCAN_PERIOD_S = 1.0     # longest time between two scans for stalls
 #: batch costs a control round and a wake-up on every rank: resmlp fp16 at 1 Gbit (2 simulated
 #: hosts, load 8-11) ran at 0.59-0.72x barrier mode with 2 MB, 0.97-1.03x with 16 MB and
 #: 1.15-1.16x without a limit (docs/cross-barrier.md).
-PRIORITY_WINDOW_BYTES = 0
+PRIORITY_WINDOW_BYTES = 4 << 20
 
 
 class Outcomes:

@@ -26,12 +26,15 @@ PLAN_CACHE = 64             # remembered bucket plans of repeated batches
 
 
 class _Work:
-    """An agreed batch being executed: its buckets and the next one to run."""
+    """An agreed batch in the backlog: prepared (responses, entries, buckets) when it reaches
+    the head, then executed bucket by bucket."""
 
     __slots__ = ("batch", "buckets", "entries", "next", "responses", "touched")
 
-    def __init__(self, batch: Batch, responses: list, entries: list, buckets: list) -> None:
-        self.batch, self.responses, self.entries, self.buckets = batch, responses, entries, buckets
+    def __init__(self, batch: Batch, responses: list) -> None:
+        self.batch, self.responses = batch, responses
+        self.buckets: list | None = None         # None: not prepared yet
+        self.entries: list = []
         self.next = 0
         self.touched: set[int] = set()
 
@@ -40,16 +43,26 @@ class BatchRunner:
     """Executing agreed batches, as the engine does it (see module docstring)."""
 
     _driving_for: Any = None     # the handle the thread stepping now waits for (None: none)
+    _running = False             # _run_backlog is on the stack (a batch agreed meanwhile waits)
 
     def _execute(self, batch: Batch) -> None:
-        if self._backlog:         # a batch is applied only after the ones before it ran
-            self._run_backlog(force=True)
+        """Apply an agreed batch to the caches and the tree node (in arrival order, as it
+        arrives), queue it behind the batches not yet executed, and execute what may run."""
+        responses = self.neg.absorb(batch)
+        self._send_up()           # what the batch demoted goes up rank by rank
+        self._backlog.append(_Work(batch, responses))
+        if not self._running:
+            self._run_backlog()
+
+    def _prepare(self, work: _Work) -> bool:
+        """Apply a batch that reached the head of the backlog: settings, gone ranks, this
+        rank's entries, the bucket plan. Done in backlog order on every rank, whenever the
+        batch arrived. False when there is nothing to execute (lingering)."""
+        batch, responses = work.batch, work.responses
         if batch.settings:
             self._apply_settings(batch.settings)
         if batch.gone:
             self.gone_ranks = frozenset(batch.gone)
-        responses = self.neg.absorb(batch)
-        self._send_up()           # what the batch demoted goes up rank by rank
         entries: list = []
         with self._lock:          # one acquisition for the whole batch
             for item, resp in zip(batch.items, responses):
@@ -60,45 +73,63 @@ class BatchRunner:
         if self._lingering:       # shut down here: only relaying for the children
             if batch.shutdown:
                 self._remote_shutdown(batch.shutdown)
-            return
+            return False
         if self.tracer.enabled:
             self.tracer.instant("engine", "CYCLE", time.perf_counter(), step=self.batches,
                                 responses=len(responses))
-        self._backlog.append(_Work(batch, responses, entries, self._plan(batch, responses)))
-        self._run_backlog()
+        work.entries = entries
+        work.buckets = self._plan(batch, responses)
+        return True
 
-    def _run_backlog(self, force: bool = False) -> None:
+    def _run_backlog(self) -> None:
         """Execute agreed buckets in order, batch after batch, until none is left or the
-        thread should stop at a bucket boundary (:meth:`_should_yield`; never with ``force``): a driver whose handle
-        is done, or the background thread while a driver waits. What is left stays in the
-        backlog, which every step executes first, so the order is the same on every rank and
-        a thread waiting for one bucket does not wait for the rest of its batch."""
+        thread should stop at a bucket boundary (:meth:`_should_yield`): a driver whose
+        handle is done, or the background thread while a driver waits. What is left stays in
+        the backlog, which every step executes first, so the order is the same on every rank
+        and a thread waiting for one bucket does not wait for the rest of its batch.
+
+        Before each bucket this rank reports what was submitted meanwhile (``_pump``: the
+        backlog may never be empty while the wire is busy), and rank 0 asks the coordinator
+        for the next batch before the last bucket of the last batch, so that the other ranks
+        have it when they finish this one, and what completed meanwhile with a higher
+        priority goes next."""
         backlog = self._backlog
-        while backlog:
-            work = backlog[0]
-            buckets, responses, entries = work.buckets, work.responses, work.entries
-            while work.next < len(buckets):
-                if work.next and not force and self._should_yield():
-                    return
-                bucket = buckets[work.next]
-                work.next += 1
-                first = responses[bucket[0]]
-                req = first.request
-                work.touched.add(req.pset)
-                if not first.error and req.coll in (Coll.ADD_PSET, Coll.REMOVE_PSET):
-                    self._change_psets(first)     # the engine's groups change here
-                if run_bucket(self.groups.get(req.pset), [responses[i] for i in bucket],
-                              [entries[i] for i in bucket], self._joined, self.tracer,
-                              self._notify) and req.coll == Coll.JOIN:
-                    self._joined = False
-            backlog.popleft()
-            for pset in work.touched:
-                group = self.groups.get(pset)
-                if group is not None:
-                    group.step += 1
-            self.batches += 1
-            if work.batch.shutdown:
-                self._remote_shutdown(work.batch.shutdown)
+        self._running = True
+        try:
+            while backlog:
+                work = backlog[0]
+                if work.buckets is None and not self._prepare(work):
+                    backlog.popleft()
+                    continue
+                buckets, responses, entries = work.buckets, work.responses, work.entries
+                while work.next < len(buckets):
+                    if self._should_yield(work.next == 0):
+                        return
+                    self._pump()        # report new submissions (children's reports, too)
+                    if self.coordinator is not None and work.next == len(buckets) - 1 and \
+                            len(backlog) == 1:
+                        self._coordinate()            # queued behind this batch
+                    bucket = buckets[work.next]
+                    work.next += 1
+                    first = responses[bucket[0]]
+                    req = first.request
+                    work.touched.add(req.pset)
+                    if not first.error and req.coll in (Coll.ADD_PSET, Coll.REMOVE_PSET):
+                        self._change_psets(first)     # the engine's groups change here
+                    if run_bucket(self.groups.get(req.pset), [responses[i] for i in bucket],
+                                  [entries[i] for i in bucket], self._joined, self.tracer,
+                                  self._notify) and req.coll == Coll.JOIN:
+                        self._joined = False
+                backlog.popleft()
+                for pset in work.touched:
+                    group = self.groups.get(pset)
+                    if group is not None:
+                        group.step += 1
+                self.batches += 1
+                if work.batch.shutdown:
+                    self._remote_shutdown(work.batch.shutdown)
+        finally:
+            self._running = False
 
     def _resume(self, handle: Any) -> bool:
         """Execute the backlog first in a step; True when the step should end here (buckets
@@ -106,24 +137,25 @@ class BatchRunner:
         self._run_backlog()
         return bool(self._backlog) or (handle is not None and handle._done)
 
-    def _should_yield(self) -> bool:
+    def _should_yield(self, batch_start: bool) -> bool:
         """Stop executing at this bucket boundary? A driver (``_driving_for``, its handle)
-        stops once its handle is done, except in lazy mode (there the rest of the batch would
-        run on the background thread beside the training thread's compute, on the same
-        cores); the background thread stops as soon as a driver waits, which then executes
-        the next bucket itself."""
+        stops once its handle is done; in lazy mode only between batches (there the rest of
+        a batch would run on the background thread beside the training thread's compute, on
+        the same cores). The background thread stops as soon as a driver waits, which then
+        executes the next bucket itself."""
         if self._stopping:
             return False
         handle = self._driving_for
         if handle is None:
             return self._drivers > 0
-        return handle._done and not self.lazy
+        return handle._done and (batch_start or not self.lazy)
 
     def _backlog_entries(self) -> list:
-        """Take the entries of every bucket not yet executed (to fail their handles)."""
+        """Take the entries of every bucket not yet executed (to fail their handles; those of
+        batches not yet prepared are still in the in-flight table)."""
         entries = []
         for work in self._backlog:
-            for bucket in work.buckets[work.next:]:
+            for bucket in (work.buckets or [])[work.next:]:
                 entries.extend(work.entries[i] for i in bucket if work.entries[i] is not None)
         self._backlog.clear()
         return entries
