@@ -56,6 +56,21 @@ def test_plan_across_hosts_large_tensors_go_alone_compressed_or_not():
         assert one == ([[0, 2], [1], [3]] if comp == "none" else [[0, 1, 2, 3]]), comp
 
 
+def test_plan_prioritized_buckets_double_from_a_small_first_one(monkeypatch):
+    """Prioritized allreduces (cross-barrier mode) fill buckets of 1, 2, 4, ... units (the
+    first needed first travels alone), up to the threshold; unprioritized ones are fused as
+    before, in their own buckets. Expected buckets worked out by hand for a 40-byte unit."""
+    monkeypatch.setattr(fusion, "PRIORITY_BUCKET_BYTES", 40)
+    rs = [resp(f"p{i}", 5, priority=i + 1) for i in range(10)]        # 20 bytes each
+    rs.append(resp("plain", 5))
+    # units: 40 -> [0, 1]; 80 -> [2..5]; 160 capped by the 100-byte threshold -> [6..9]
+    assert fusion.plan(rs, 100) == [[0, 1], [2, 3, 4, 5], [6, 7, 8, 9], [10]]
+    assert fusion.plan(rs, 1 << 20) == [[0, 1], [2, 3, 4, 5], [6, 7, 8, 9], [10]]
+    # without priorities, the same tensors fill the threshold at once
+    flat = [resp(f"p{i}", 5) for i in range(10)]
+    assert fusion.plan(flat, 100) == [[0, 1, 2, 3, 4], [5, 6, 7, 8, 9]]
+
+
 def test_plan_threshold_zero_disables_fusion():
     rs = [resp("a", 1), resp("b", 1)]
     assert fusion.plan(rs, 0) == [[0], [1]]

@@ -15,13 +15,14 @@ SCAN_PERIOD_S = 1.0     # longest time between two scans for stalls
 
 
 #: Bytes of prioritized allreduces (``Request.priority``) one batch carries at most (at least
-#: one request; 0: no limit). Rank 0 makes the next batch after executing this one, so what
-#: completes meanwhile with a higher priority overtakes what was held. Off: even without it,
-#: what completes while rank 0 executes a batch is ordered in the next one, and each extra
-#: batch costs a control round and a wake-up on every rank: resmlp fp16 at 1 Gbit (2 simulated
-#: hosts, load 8-11) ran at 0.59-0.72x barrier mode with 2 MB, 0.97-1.03x with 16 MB and
-#: 1.15-1.16x without a limit (docs/cross-barrier.md).
-PRIORITY_WINDOW_BYTES = 4 << 20
+#: one request; 0: no limit). Rank 0 agrees the next batch before the last bucket of this one
+#: (execution/batches.py), so what completes meanwhile with a higher priority overtakes what
+#: was held: a first layer's gradient completed at the end of backward waits for at most this
+#: much of the later layers' instead of every gradient completed before it. Each batch costs
+#: a control message and its buckets a call each: on 2 simulated hosts at 1 Gbit (resmlp fp16,
+#: load 4-8) cross-barrier/barrier step time was 1.39x with 4 MB (and 1 MB first buckets),
+#: 1.02-1.08x with 16 MB, 1.09-1.15x without a window (docs/cross-barrier.md).
+PRIORITY_WINDOW_BYTES = 16 << 20
 
 
 class Outcomes:

@@ -83,10 +83,10 @@ class BatchRunner:
 
     def _run_backlog(self) -> None:
         """Execute agreed buckets in order, batch after batch, until none is left or the
-        thread should stop at a bucket boundary (:meth:`_should_yield`): a driver whose
-        handle is done, or the background thread while a driver waits. What is left stays in
-        the backlog, which every step executes first, so the order is the same on every rank
-        and a thread waiting for one bucket does not wait for the rest of its batch.
+        background thread should stop at a bucket boundary because a user thread waits
+        (:meth:`_should_yield`). What is left stays in the backlog, which every step executes
+        first, so the order is the same on every rank. Handles complete bucket by bucket, so
+        a thread waiting without driving wakes when its own bucket is done.
 
         Before each bucket this rank reports what was submitted meanwhile (``_pump``: the
         backlog may never be empty while the wire is busy), and rank 0 asks the coordinator
@@ -103,7 +103,7 @@ class BatchRunner:
                     continue
                 buckets, responses, entries = work.buckets, work.responses, work.entries
                 while work.next < len(buckets):
-                    if self._should_yield(work.next == 0):
+                    if self._should_yield():
                         return
                     self._pump()        # report new submissions (children's reports, too)
                     if self.coordinator is not None and work.next == len(buckets) - 1 and \
@@ -137,18 +137,14 @@ class BatchRunner:
         self._run_backlog()
         return bool(self._backlog) or (handle is not None and handle._done)
 
-    def _should_yield(self, batch_start: bool) -> bool:
-        """Stop executing at this bucket boundary? A driver (``_driving_for``, its handle)
-        stops once its handle is done; in lazy mode only between batches (there the rest of
-        a batch would run on the background thread beside the training thread's compute, on
-        the same cores). The background thread stops as soon as a driver waits, which then
-        executes the next bucket itself."""
-        if self._stopping:
-            return False
-        handle = self._driving_for
-        if handle is None:
-            return self._drivers > 0
-        return handle._done and (batch_start or not self.lazy)
+    def _should_yield(self) -> bool:
+        """Stop executing at this bucket boundary? The background thread stops as soon as a
+        user thread drives (waits in ``synchronize()``), which then executes the next bucket
+        itself instead of waiting for the rest of the batch. A driver goes on to the end of
+        the backlog (handing the engine back and forth between threads costs more than the
+        buckets it would leave: a thread that must not wait for the rest waits without
+        driving, as cross-barrier mode's pre-forward hooks do)."""
+        return self._driving_for is None and self._drivers > 0 and not self._stopping
 
     def _backlog_entries(self) -> list:
         """Take the entries of every bucket not yet executed (to fail their handles; those of

@@ -88,7 +88,7 @@ def direct_bytes(num_nodes: int) -> tuple[int, int]:
 #: needs first is reduced first, in a small bucket, and its handles complete while the rest of
 #: the batch is still on the wire; the later, larger buckets keep the number of calls at
 #: about log2(batch bytes / this).
-PRIORITY_BUCKET_BYTES = 1 << 20
+PRIORITY_BUCKET_BYTES = 2 << 20
 
 
 def plan(responses: Sequence[Response], threshold: int,
