@@ -1,20 +1,12 @@
 """Cross-barrier ``DistributedOptimizer``: the next forward starts while gradients are on the wire.
 
-Barrier mode's ``step()`` waits for every gradient's reduction and then updates every
-parameter. Here ``step()`` only starts what is missing and records, per parameter, a *pending
-update*: the reduction's handle, the gradient tensor being reduced, and a snapshot of that
-parameter's ``param_group`` hyperparameters (LR schedulers change them right after
-``step()``). A forward pre-hook on every module that directly owns parameters waits for the
-reductions of exactly those parameters and applies the wrapped optimizer's update to them, on
-the main thread, with the snapshotted hyperparameters. So layer 1 of forward *t+1* computes
-while later layers' gradients of step *t* are still being reduced, and every parameter forward
-*t+1* reads holds exactly the update of step *t* (bitwise what barrier mode computes: the same
-optimizer kernels run on the same values, only on fewer tensors at a time).
-
-Anything else that reads parameters or optimizer state drains every pending update first:
-``synchronize()``, ``state_dict()``, ``load_state_dict()``, ``add_param_group()`` and the next
-``step()`` (for parameters no forward used). ``zero_grad()`` never touches a gradient still
-being reduced: the pending update holds that tensor, and the parameter gets a fresh one.
+``step()`` only starts the missing reductions and records, per parameter, a *pending update*
+(the reduction, the gradient being reduced, a snapshot of its ``param_group``'s
+hyperparameters). A forward pre-hook on every module waits for the reductions of the
+parameters that module owns and applies the wrapped optimizer's update to them with those
+hyperparameters, so every parameter forward *t+1* reads holds exactly (bitwise) barrier
+mode's update of step *t*, while later layers' gradients are still on the wire. Whatever else
+reads parameters or optimizer state drains every pending update first. docs/cross-barrier.md.
 """
 from __future__ import annotations
 
@@ -62,11 +54,9 @@ def check_optimizer(optimizer: torch.optim.Optimizer) -> None:
 
 
 def _await(handle: Any) -> bool:
-    """Wait for a reduction without driving the engine, when its background thread sends
-    eagerly (not lazy mode): it then executes the agreed buckets back to back, in the next
-    forward's order, and this thread wakes as soon as its own bucket is done (a driver would
-    take the engine over bucket by bucket, and hand it back between modules). False, without
-    waiting, for lazy mode and anything else: ``Handle.wait`` (which drives) does it."""
+    """Wait for a reduction without driving an eager engine (its background thread executes
+    the buckets back to back; this thread wakes when its own is done). False, without
+    waiting, in lazy mode and for anything else: ``Handle.wait`` (which drives) does it."""
     for h in getattr(handle, "handles", None) or (handle,):
         if getattr(h, "_done", False) is True:
             continue
@@ -233,14 +223,11 @@ class CrossBarrierOptimizer(_DistributedOptimizer):
                 p.grad = g
 
     def _apply_ready(self, params: list) -> None:
-        """Wait for the reductions of ``params`` (a module's) and apply their updates.
-
-        While waiting, apply the updates of other parameters whose reductions completed (in
-        the next forward's order, :data:`SWEEP_CHUNK` at a time): the optimizer's CPU time
-        then hides behind the wire instead of following it. Once ``params`` are reduced, apply
-        them with the completed ones needed within the next :data:`SWEEP_AHEAD` parameters of
-        the forward order, in one optimizer step, so the next modules' pre-hooks usually find
-        nothing to do (a forward costs a few optimizer steps, not one per module)."""
+        """Wait for the reductions of ``params`` (a module's) and apply their updates. While
+        waiting, apply completed updates of others (forward order, :data:`SWEEP_CHUNK` at a
+        time: the optimizer's CPU time hides behind the wire); then ``params`` with the
+        completed ones within :data:`SWEEP_AHEAD` forward positions, in one optimizer step
+        (a forward costs a few optimizer steps, not one per module)."""
         pending = self._pending
         reds = list({id(r): r for r in (pending[p].reduction for p in params)}.values())
         wanted = set(params)
