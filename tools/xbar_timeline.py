@@ -1,6 +1,7 @@
 """One training step in barrier mode above the same step in cross-barrier mode, on one time axis.
 
     mpirun -np 2 python tools/xbar_timeline.py --out docs/img/cross-barrier-step.png
+    python tests/netns/simhosts.py -- python tools/xbar_timeline.py --compare 4 --steps 10
     (or under the simulated hosts: python benchmarks/training.py's --netns launcher is not
     needed; any 2-rank launch works, e.g. ``lccrun -np 2``)
 
@@ -119,6 +120,42 @@ def train(mode: str, model_name: str, batch: int, steps: int, compression, path:
               f", min {1e3 * times[0]:.0f}, max {1e3 * times[-1]:.0f}", flush=True)
 
 
+def compare(model_name: str, batch: int, steps: int, rounds: int, compression) -> None:
+    """Barrier and cross-barrier mode trained alternately in this job (``rounds`` rounds of
+    ``steps`` timed steps each, after 3 untimed); rank 0 prints each round's mean step time
+    and the median of cross-barrier / barrier (same job, same load: lower is better)."""
+    import statistics
+
+    import models
+    runs = {}
+    for mode in ("barrier", "xbar"):
+        torch.manual_seed(0)
+        model = models.build(model_name)
+        xbar = mode == "xbar"
+        runs[mode] = (model, lcc.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9),
+            named_parameters=[(f"c{mode}.{n}", p) for n, p in model.named_parameters()],
+            compression=compression, cross_barrier=xbar, model=model if xbar else None))
+    x, y = torch.randn(batch, 1, 28, 28), torch.randint(0, 10, (batch,))
+    ms: dict = {mode: [] for mode in runs}
+    for _ in range(rounds):
+        for mode, (model, opt) in runs.items():
+            for s in range(steps + 3):
+                if s == 3:
+                    t0 = time.perf_counter()
+                opt.zero_grad()
+                F.cross_entropy(model(x), y).backward()
+                opt.step()
+            model(x)
+            opt.synchronize()
+            ms[mode].append((time.perf_counter() - t0) / steps * 1e3)
+    if lcc.rank() == 0:
+        ratio = statistics.median(a / b for a, b in zip(ms["xbar"], ms["barrier"]))
+        print(f"step ms per round: barrier {[round(v) for v in ms['barrier']]}, cross-barrier "
+              f"{[round(v) for v in ms['xbar']]}; cross-barrier / barrier median {ratio:.2f} "
+              f"(load {os.getloadavg()[0]:.1f})", flush=True)
+
+
 def load(path: str) -> list[dict]:
     text = open(path, encoding="utf-8").read().rstrip()
     if not text.endswith("]"):
@@ -194,9 +231,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--compression", default="fp16", help="none, fp16, ...")
     p.add_argument("--trace-dir", default="/tmp")
     p.add_argument("--out", default="cross-barrier-step.png")
+    p.add_argument("--compare", type=int, default=0, metavar="ROUNDS",
+                   help="no picture: train both modes alternately for ROUNDS rounds of "
+                        "--steps steps and print the step times")
     args = p.parse_args(argv)
     lcc.init()
     comp = getattr(lcc.Compression, args.compression)
+    if args.compare:
+        compare(args.model, args.batch, args.steps, args.compare, comp)
+        lcc.shutdown()
+        return 0
     paths = {}
     for mode in ("barrier", "xbar"):
         paths[mode] = os.path.join(args.trace_dir, f"xbar_timeline_{mode}.json")
