@@ -115,6 +115,35 @@ def stale_read_is_an_error() -> None:
     opt.synchronize()
 
 
+class Stem(Parent):
+    """A module of its own before ``inner``: its pre-hook applies ``inner``'s completed update
+    early (while or after waiting for its own), so the direct read from step 1 on sees the new
+    value, or not, depending on timing."""
+
+    def __init__(self) -> None:
+        super().__init__(call_first=True)
+        self.stem = nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(torch.tanh(self.stem(x)))
+
+
+def stale_read_after_an_early_update_is_an_error() -> None:
+    """The same misuse when another module's pre-hook applied ``inner``'s update before the
+    read: still an error on every rank (the outcome must not depend on which updates had
+    completed when that hook ran)."""
+    model = Stem()
+    opt = wrap(model, "e", True)
+    x, y = batch(0)
+    F.cross_entropy(model(x), y).backward()
+    opt.step()
+    opt.zero_grad()
+    loss = F.cross_entropy(model(x), y)
+    raises(InvalidArgumentError, loss.backward, "stale read after an early update",
+           match="still pending")
+    opt.synchronize()
+
+
 def zero_grad_keeps_reducing_gradients() -> None:
     """zero_grad(set_to_none=False) and (True) between step() and the next forward leave the
     gradient under reduction alone: the result equals barrier mode's, bit for bit."""
@@ -213,6 +242,7 @@ def main() -> None:
     R, N = hvd.rank(), hvd.size()
     run([refuses_without_model, refuses_whole_model_optimizers, refuses_closure,
          parent_reading_child_weights_matches_barrier, stale_read_is_an_error,
+         stale_read_after_an_early_update_is_an_error,
          zero_grad_keeps_reducing_gradients,
          attention_reads_child_weights, compiled_model_matches_barrier,
          priority_follows_forward_order, priority_mismatch_fails_on_every_rank])
