@@ -104,14 +104,18 @@ def parent_reading_child_weights_matches_barrier() -> None:
 def stale_read_is_an_error() -> None:
     """A module called in the first forward but read directly later would see the old value:
     the next backward says so (on every rank) instead of training on it."""
-    model = Parent(call_first=True)
-    opt = wrap(model, "s", True)
+    expect_stale_read(Parent(call_first=True), "s", "stale read")
+
+
+def expect_stale_read(model: nn.Module, prefix: str, what: str) -> None:
+    """Step once, then the next backward must raise the stale-read error."""
+    opt = wrap(model, prefix, True)
     x, y = batch(0)
     F.cross_entropy(model(x), y).backward()
     opt.step()
     opt.zero_grad()
     loss = F.cross_entropy(model(x), y)
-    raises(InvalidArgumentError, loss.backward, "stale read", match="still pending")
+    raises(InvalidArgumentError, loss.backward, what, match="still pending")
     opt.synchronize()
 
 
@@ -132,16 +136,7 @@ def stale_read_after_an_early_update_is_an_error() -> None:
     """The same misuse when another module's pre-hook applied ``inner``'s update before the
     read: still an error on every rank (the outcome must not depend on which updates had
     completed when that hook ran)."""
-    model = Stem()
-    opt = wrap(model, "e", True)
-    x, y = batch(0)
-    F.cross_entropy(model(x), y).backward()
-    opt.step()
-    opt.zero_grad()
-    loss = F.cross_entropy(model(x), y)
-    raises(InvalidArgumentError, loss.backward, "stale read after an early update",
-           match="still pending")
-    opt.synchronize()
+    expect_stale_read(Stem(), "e", "stale read after an early update")
 
 
 def zero_grad_keeps_reducing_gradients() -> None:
