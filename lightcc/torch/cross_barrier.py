@@ -292,7 +292,7 @@ class CrossBarrierOptimizer(_DistributedOptimizer):
                 del self._pending[p]
 
     def _order(self, index: int) -> dict:
-        """Parameter -> position in param group ``index`` (cached; add_param_group resets)."""
+        """Parameter -> position in param group ``index`` (rebuilt when its list changes)."""
         params = self._opt.param_groups[index]["params"]
         cached = self._orders.get(index)
         if cached is None or cached[0] is not params or len(cached[1]) != len(params):
