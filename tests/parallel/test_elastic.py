@@ -26,15 +26,9 @@ from tests.parallel.test_reliability import _finish, _lccrun, _lccrun_env, needs
 torch = pytest.importorskip("torch")
 
 WORKER = Path(__file__).resolve().parent / "workers_elastic" / "train_torch.py"
-# the worker's constants (train_torch.py)
-N, DIM, BATCH, EPOCHS, COMMIT, LR, MOMENTUM, SEED = 60, 5, 2, 2, 3, 0.05, 0.9, 7
-
-
-def _data():
-    rng = np.random.default_rng(123)
-    x = rng.standard_normal((N, DIM)).astype(np.float32)
-    y = (x @ rng.standard_normal((DIM, 1)) + 0.1 * rng.standard_normal((N, 1))).astype(np.float32)
-    return torch.from_numpy(x), torch.from_numpy(y)
+# the worker's problem (constants and data), shared with it
+from tests.parallel.workers_elastic.problem import BATCH, COMMIT, DIM, EPOCHS, LR, MOMENTUM, SEED, N
+from tests.parallel.workers_elastic.problem import data as _data
 
 
 def _partition(epoch: int, processed: int, ranks: int) -> list[list[int]]:

@@ -10,19 +10,10 @@ import os
 import sys
 import time
 
-import numpy as np
 import torch
+from problem import BATCH, COMMIT, DIM, EPOCHS, LR, MOMENTUM, SEED, N, data
 
 import lightcc.torch as lcc
-
-N, DIM, BATCH, EPOCHS, COMMIT, LR, MOMENTUM, SEED = 60, 5, 2, 2, 3, 0.05, 0.9, 7
-
-
-def data():
-    rng = np.random.default_rng(123)
-    x = rng.standard_normal((N, DIM)).astype(np.float32)
-    y = (x @ rng.standard_normal((DIM, 1)) + 0.1 * rng.standard_normal((N, 1))).astype(np.float32)
-    return torch.from_numpy(x), torch.from_numpy(y)
 
 
 def main() -> None:
