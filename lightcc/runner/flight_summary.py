@@ -10,7 +10,10 @@ import os
 import re
 
 STACK_LINES = 4        # innermost frames outside lightcc printed per rank
-_LIB = os.sep + "lightcc" + os.sep
+#: lightcc's own code: this installation's package folder (not any folder named lightcc: a
+#: checkout or a user's project called that holds user code), or an installed copy elsewhere
+_LIB = (os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep,
+        os.sep + os.path.join("site-packages", "lightcc") + os.sep)
 _STDLIB = os.path.dirname(os.__file__) + os.sep
 
 
@@ -69,7 +72,7 @@ def _waiting_stack(doc: dict, rec: dict | None) -> list[str]:
 def _library(frame: str) -> bool:
     """Whether a formatted stack entry is lightcc's own code or Python's (not the user's)."""
     path = frame.split('"')[1] if frame.count('"') >= 2 else ""
-    return (_LIB in path or path.startswith((_STDLIB, "<frozen"))
+    return (any(lib in path for lib in _LIB) or path.startswith((_STDLIB, "<frozen"))
             or not path)
 
 

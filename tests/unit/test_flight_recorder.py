@@ -129,3 +129,19 @@ def test_sigusr1_writes_the_record_and_still_calls_the_programs_own_handler(tmp_
     finally:
         faulthandler.unregister(signal.SIGUSR1)
         signal.signal(signal.SIGUSR1, saved)
+
+
+def test_user_code_in_a_folder_named_lightcc_is_not_taken_for_the_library():
+    """The waiting stack stops at the user's innermost frame; a checkout or project folder
+    called ``lightcc`` holds user code (the summary showed no user frame from such a clone)."""
+    import os
+
+    import lightcc
+    from lightcc.runner import flight_summary
+
+    own = os.path.join(os.path.dirname(lightcc.__file__), "common", "engine.py")
+    assert flight_summary._library(f'  File "{own}", line 3, in wait\n')
+    assert flight_summary._library('  File "/v/lib/python3.11/site-packages/lightcc/x.py", '
+                                   'line 1, in f\n')
+    assert not flight_summary._library('  File "/home/u/lightcc/tests/train.py", line 9, in '
+                                       'wait_for_peers\n')
