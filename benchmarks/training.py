@@ -41,9 +41,10 @@ lightcc engine thread's share of one core during the timed steps (rank 0).
 
 Per model the worker first measures, with no communication, the forward time F and the
 backward time B (medians), and the link rate (a pairwise MPI exchange of 8 MB, both
-directions at once); a second table gives, per lightcc column, the wire time W (bytes a rank
-sends per step in a ring allreduce, 2 (n-1)/n x the gradient bytes after compression, / that
-rate), the barrier bound F + max(B, W) (the wire can start during backward, forward cannot
+directions at once, with a partner on another host when there are several; every rank of a
+host exchanges at once, so the host's link rate is the sum); a second table gives, per lightcc
+column, the wire time W (bytes that cross a link per step, 2 (n-1)/n x the gradient bytes
+after compression, n = the hosts, or the ranks on one machine, / that rate), the barrier bound F + max(B, W) (the wire can start during backward, forward cannot
 start before the last gradient arrived), the cross-barrier bound max(F + B, W), and the
 measured step as a fraction of each (bound / step).
 
@@ -294,7 +295,14 @@ class Worker:
                 bwd.append(t2 - t1)
         nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
         rate = 0.0
-        partner = self.rank ^ 1
+        # a partner on another host when there are several (ranks of a host are consecutive);
+        # every rank of a host exchanges at once, so the host's link carries local x the rate
+        local = int(os.environ.get("OMPI_COMM_WORLD_LOCAL_SIZE", "1") or 1)
+        hosts = self.world // local if local < self.world and self.world % local == 0 else 1
+        if hosts > 1:
+            partner = self.rank + local if (self.rank // local) % 2 == 0 else self.rank - local
+        else:
+            partner, local = self.rank ^ 1, 1
         if partner < self.world:
             buf, got = np.ones(8 << 20, np.uint8), np.empty(8 << 20, np.uint8)
             times = []
@@ -307,8 +315,8 @@ class Worker:
         self.barrier()
         return {"F": self.comm.allreduce(statistics.median(fwd), op=_max()),
                 "B": self.comm.allreduce(statistics.median(bwd), op=_max()),
-                "grad_bytes": nbytes, "link_Bps": self.comm.allreduce(rate, op=_min()),
-                "world": self.world, "batch": self.args.batch_size}
+                "grad_bytes": nbytes, "link_Bps": local * self.comm.allreduce(rate, op=_min()),
+                "world": self.world, "hosts": hosts, "batch": self.args.batch_size}
 
 
 def _sgd(model):
@@ -512,7 +520,9 @@ def bounds_table(rows: list[dict], configs: list[str]) -> str:
              "| step vs cross-barrier bound |", "|" + "---|" * 10]
     phases = {r["model"]: r["phases"] for r in rows if "phases" in r}
     for model, ph in phases.items():
-        n = ph["world"]
+        # bytes that cross a link per step: the world's ring on one host, the hosts' exchange
+        # (any hierarchical scheme, DDP's ring alike) across several
+        n = ph.get("hosts", 1) if ph.get("hosts", 1) > 1 else ph["world"]
         for c in configs:
             framework, _, option = c.partition(":")
             if framework not in ("lightcc", "cross_barrier"):

@@ -185,6 +185,15 @@ KNOBS: tuple[Knob, ...] = (
          "placed the ranks on several hosts with several on this one, else 0.",
          lambda v: None if v == "auto" or (isinstance(v, int) and v >= 0)
          else "must be auto or >= 0"),
+    Knob("cross_transport", "LCC_CROSS_TRANSPORT", lambda t: t.strip().lower(), "auto", "",
+         "What carries the point-to-point traffic between hosts (the ring algorithm, "
+         "hierarchical's cross-host phase, the compressors' pipelined exchange): tcp = "
+         "lightcc's own TCP connections, one per pair of ranks on different hosts, waited for "
+         "in the kernel (no core spins while the wire is busy); mpi = Open MPI's TCP transport; "
+         "auto = tcp when the job spans several hosts and some host runs several ranks. "
+         "Addresses as for the control plane "
+         "(LCC_CONTROL_ADDR when it names an interface). MPI's collectives are not affected.",
+         _choice(("auto", "tcp", "mpi"))),
     Knob("overlap", "LCC_OVERLAP", lambda t: t.strip().lower(), "auto", "",
          "When collectives start: 1 = in the background as soon as submitted (overlaps "
          "communication with compute); 0 = when a thread waits for them (lazy); auto = lazy "
@@ -271,6 +280,7 @@ class Config:
     mpi_chunk_bytes: int
     num_links: int
     mpi_idle_sleep_us: int | str
+    cross_transport: str
     overlap: str
     backend: str
     cpu_reduce: bool

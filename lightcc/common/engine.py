@@ -71,7 +71,8 @@ class Engine(ControlLink, BatchRunner):
         self.config = config
         world = base.dup("world")
         self.hostnames = hostnames
-        self.topo = build(world, hostnames, config.local_size)
+        self.topo = build(world, hostnames, config.local_size, config.cross_transport,
+                          config.control_addr)
         self.rank, self.size = world.rank, world.size
         self._plane = ControlPlane(base.comm, hostnames, config.control_addr,
                                    config.control_fanout)

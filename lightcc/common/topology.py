@@ -6,6 +6,7 @@ e.g. 3 ranks with N=2 give nodes {0,1} and {2}).
 """
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 from typing import Sequence
@@ -69,14 +70,43 @@ def assign_nodes(hostnames: Sequence[str], local_size: int) -> tuple[int, ...]:
     return tuple(order.setdefault(h, len(order)) for h in hostnames)
 
 
-def build(world: Communicator, hostnames: Sequence[str], local_size: int) -> Topology:
-    """Split ``world`` into local and cross communicators (collective over ``world``)."""
+def build(world: Communicator, hostnames: Sequence[str], local_size: int,
+          cross_transport: str = "mpi", control_addr: str = "") -> Topology:
+    """Split ``world`` into local and cross communicators (collective over ``world``).
+
+    ``cross_transport`` (``LCC_CROSS_TRANSPORT``): ``tcp`` carries the point-to-point traffic
+    of the communicators whose members are all on different nodes (``cross``, and ``world``
+    when every node has one rank) over lightcc's own TCP links (backends/tcp.py); ``mpi``
+    keeps Open MPI's; ``auto`` is ``tcp`` when the ranks span several nodes and some node
+    has several (they compete for its cores while one waits for the wire: +11 % fp16
+    training on 2 x 2 simulated hosts at 1 Gbit; with one rank per node the spinning wait
+    costs no other rank a core and MPI was 5-8 % faster, docs/topology.md).
+    """
     nodes = assign_nodes(hostnames, local_size)
     me = world.rank
     local_rank = sum(1 for r in range(me) if nodes[r] == nodes[me])
     local = world.split(nodes[me], me, "local")
     cross = world.split(local_rank, me, "cross")
-    return Topology(world=world, local=local, cross=cross, node_of_rank=nodes)
+    topo = Topology(world=world, local=local, cross=cross, node_of_rank=nodes)
+    several_hosts = topo.num_nodes > 1
+    if cross_transport == "tcp" and several_hosts or \
+            cross_transport == "auto" and several_hosts and topo.num_nodes < topo.size:
+        attach_tcp(topo, control_addr)
+    return topo
+
+
+def attach_tcp(topo: Topology, control_addr: str) -> None:
+    """Give ``cross`` (and ``world`` when each node has one rank) lightcc's TCP links
+    (collective over ``world``; every rank agrees, so all keep MPI if any pair fails)."""
+    for comm in (topo.cross, topo.world):
+        spread = comm.size > 1 and (comm is topo.cross or topo.num_nodes == topo.size)
+        use = getattr(comm, "use_tcp", None)
+        # collective over comm's members only; every member sees the same condition
+        if spread and use is not None and not use(control_addr):
+            logging.getLogger("lightcc").warning(
+                "rank %d: lightcc's TCP links for %s could not be set up between every pair "
+                "of ranks; its point-to-point traffic stays on MPI (set LCC_CONTROL_ADDR to "
+                "an interface every host has, or LCC_CROSS_TRANSPORT=mpi)", topo.rank, comm.name)
 
 
 def overlap_in_background(setting: str, topo: Topology) -> bool:

@@ -138,16 +138,23 @@ def test_invalid_env_value_is_reported_on_every_rank():
     assert out.count("CONFIG LCC_FUSION_THRESHOLD=-5: must be >= 0") == 2, out
 
 
-@pytest.mark.parametrize("np_,local", [(2, "0"), (3, "2"), (4, "2")])
-def test_compressed_allreduce_through_engine_every_algorithm(np_, local):
+@pytest.mark.parametrize("np_,local,transport,links", [
+    (2, "0", "auto", ""), (3, "2", "auto", "cross"), (4, "2", "auto", "cross"),
+    (4, "2", "mpi", ""), (3, "1", "tcp", "world,cross")])
+def test_compressed_allreduce_through_engine_every_algorithm(np_, local, transport, links):
     # against sim.py's simulation of each compressor; LCC_OVERLAP=0: each rank sends a step's
     # tensors in one message when it starts waiting, so they share one batch and one bucket,
     # which the simulation of the hierarchical/2d shards on 2 x 2 simulated nodes assumes (a
-    # shard cuts a bucket, not a tensor; compressors are per tensor otherwise)
+    # shard cuts a bucket, not a tensor; compressors are per tensor otherwise). The simulated
+    # nodes' point-to-point traffic goes over lightcc's TCP links (LCC_CROSS_TRANSPORT) where
+    # ``links`` names communicators; 3 ranks on 2 nodes give rank 2's node one rank, so only
+    # the cross communicator of local rank 0 (ranks 0 and 2) has links there
     out = run_mpi(np_, [W + "engine_compression.py"], env={"LCC_LOCAL_SIZE": local,
-                                                           "LCC_OVERLAP": "0"},
+                                                           "LCC_OVERLAP": "0",
+                                                           "LCC_CROSS_TRANSPORT": transport},
                   timeout=240).stdout
     assert out.count("engine compression ok") == np_, out
+    assert f"rank 0: tcp links on {links}\n" in out, out
 
 
 @pytest.mark.parametrize("np_,backend", [(1, "nccl"), (2, "mpi")])

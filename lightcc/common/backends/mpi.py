@@ -109,6 +109,7 @@ class MPICommunicator:
         self._agreement: Any = None                  # duplicate for agree()
         self.ring_chunk_bytes = 1 << 20              # set per process set (LCC_RING_CHUNK_BYTES)
         self.progress = None                         # set by the engine's groups (Engine._pump)
+        self.links: Any = None                       # tcp.Links: point-to-point over TCP
 
     # -- reductions ---------------------------------------------------------------------------
     def _mpi_type(self, dtype: np.dtype) -> Any:
@@ -315,15 +316,22 @@ class MPICommunicator:
                 else:
                     self.comm.Reduce([part, mtype], None, op=mop, root=root)
 
-    def isend(self, buf: np.ndarray, dest: int, tag: int = 0) -> _Req:
+    def isend(self, buf: np.ndarray, dest: int, tag: int = 0) -> Any:
         MPI = _mpi()
         self.stats.add("send", buf.nbytes, 0)
+        if self.links is not None:
+            return self.links.isend(buf, dest, tag)
         return _Req(self.comm.Isend([_as_bytes(buf), MPI.BYTE], dest=dest, tag=tag))
 
-    def irecv(self, buf: np.ndarray, source: int | None, tag: int = 0) -> _Req:
-        """Start receiving into ``buf`` from ``source`` (None: any rank)."""
+    def irecv(self, buf: np.ndarray, source: int | None, tag: int = 0) -> Any:
+        """Start receiving into ``buf`` from ``source`` (None: any rank; not over TCP links)."""
         MPI = _mpi()
         self.stats.add("recv", 0, buf.nbytes)
+        if self.links is not None:
+            if source is None:
+                raise ValueError(f"{self.name}: a receive from any rank is not supported over "
+                                 f"lightcc's TCP links (LCC_CROSS_TRANSPORT=tcp)")
+            return self.links.irecv(buf, source, tag)
         src = MPI.ANY_SOURCE if source is None else source
         return _Req(self.comm.Irecv([_as_bytes(buf), MPI.BYTE], source=src, tag=tag),
                     MPI.Status())
@@ -347,7 +355,19 @@ class MPICommunicator:
         self.prepare_agreement()
         return agree_over(self._agreement, self.rank, self.size, failed, what, timeout)
 
+    def use_tcp(self, override: str = "") -> bool:
+        """Carry this communicator's point-to-point messages over lightcc's own TCP links
+        (:mod:`.tcp`; collective). False on every member, with MPI kept, when some pair of
+        members could not connect."""
+        from . import tcp
+
+        self.links = tcp.connect(self, self.name, override)
+        return self.links is not None
+
     def free(self) -> None:
+        if self.links is not None:
+            self.links.close()
+            self.links = None
         MPI = _mpi()
         if MPI.Is_finalized():
             return

@@ -232,7 +232,8 @@ class BatchRunner:
         sub = self.topo.world.split(0 if member else 1, self.rank, f"pset{resp.value}")
         if member:
             hosts = [self.hostnames[r] for r in ranks]
-            topo = build(sub, hosts, self.config.local_size)
+            topo = build(sub, hosts, self.config.local_size, self.config.cross_transport,
+                         self.config.control_addr)
             group = Group(resp.value, ranks, topo, self.settings, progress=self._pump,
                           direct=self._direct_path(sub, ranks))
             group.set_tracer(self.tracer)

@@ -196,5 +196,8 @@ for step in range(3):
                     state)
     check(np.concatenate([packed[i].reshape(-1) for i in (0, 2, 3)]), want, True,
           f"fused TopK step {step}")
+_topo = api.engine().group(0).topo
+print(f"rank {R}: tcp links on " + ",".join(c.name for c in (_topo.world, _topo.cross)
+                                          if getattr(c, "links", None) is not None), flush=True)
 print(f"rank {R}: engine compression ok", flush=True)
 lcc.shutdown()
