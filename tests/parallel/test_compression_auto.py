@@ -36,6 +36,18 @@ def test_auto_ranks_agree_and_train_like_the_reference(np_, mode, tmp_path):
     assert len(entries) == 1
 
 
+def test_init_autotune_cache_argument_is_where_auto_keeps_its_decision(tmp_path):
+    """``init(autotune_cache=...)`` wins over LCC_AUTOTUNE_CACHE for auto's decision cache
+    (the decision was kept at the environment's path before)."""
+    pytest.importorskip("torch")
+    env = {**ENV, "LCC_AUTOTUNE_CACHE": str(tmp_path / "env.json"),
+           "LCC_TEST_INIT_CACHE": str(tmp_path / "init.json")}
+    out = run_mpi(2, [str(WORKER), "train"], env=env, timeout=300).stdout
+    assert out.count("OK auto train") == 2, out[-4000:]
+    assert len(json.loads((tmp_path / "init.json").read_text())["entries"]) == 1
+    assert not (tmp_path / "env.json").exists()
+
+
 def test_the_ddp_auto_hook_matches_the_reference(tmp_path):
     """DDP on the lightcc backend with ddp_hooks' auto hook, the probe's result replaced by a
     1 Gbit link's: fp16 per parameter, every step against the reference."""

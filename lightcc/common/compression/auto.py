@@ -86,6 +86,10 @@ class AutoCompressor:
         self._inner: dict[str, Any] = {}
         self._states: dict[int, tuple[Any, _State]] = {}
         self.decisions: list[dict[str, Any]] = []   # every decision made here, in order
+        # the decision cache (the engine sets both from LCC_AUTOTUNE_CACHE / LCC_AUTOTUNE and
+        # init()'s arguments; None: read the environment): "" is the default path
+        self.cache_path: str | None = None
+        self.cache_refresh: bool | None = None
 
     # -- what the engine asks --------------------------------------------------------------
     def needs_agreement(self, comm: Any) -> bool:

@@ -87,11 +87,17 @@ def world_rank() -> int:
     return 0
 
 
-def cache_settings() -> tuple[str, bool]:
-    """``(path, refresh)`` from LCC_AUTOTUNE_CACHE and LCC_AUTOTUNE (read from the
-    environment when ``auto`` decides)."""
-    path = os.environ.get("LCC_AUTOTUNE_CACHE", "").strip() or cache.default_cache_path()
-    return path, os.environ.get("LCC_AUTOTUNE", "").strip().lower() == "refresh"
+def cache_settings(comp: Any = None) -> tuple[str, bool]:
+    """``(path, refresh)``: what the engine gave ``comp`` (the process's configuration,
+    ``init(autotune_cache=..., autotune=...)`` included), else LCC_AUTOTUNE_CACHE and
+    LCC_AUTOTUNE from the environment."""
+    path = getattr(comp, "cache_path", None)
+    if path is None:
+        path = os.environ.get("LCC_AUTOTUNE_CACHE", "")
+    refresh = getattr(comp, "cache_refresh", None)
+    if refresh is None:
+        refresh = os.environ.get("LCC_AUTOTUNE", "").strip().lower() == "refresh"
+    return path.strip() or cache.default_cache_path(), bool(refresh)
 
 
 def codec_costs(comp: Any, fmts: list[str], nranks: int, n: int = 1 << 20) -> dict[str, float]:
@@ -155,7 +161,7 @@ def decide(comp: Any, comm: Any, st: Any, like: Any) -> dict[str, Any]:
     _check_agreement(comp, comm, st)
     root = comm.rank == 0
     probe_fmts = [f for f in comp.formats if f != "bf16"]   # bf16 is derived from fp16
-    path, refresh = cache_settings()
+    path, refresh = cache_settings(comp)
     fp = _fingerprint(comp, comm, st)
     key = cache.fingerprint_key(fp)
     entry = None

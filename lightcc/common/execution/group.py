@@ -36,6 +36,8 @@ class ExecSettings:
     auto: AutoThresholds = AutoThresholds()
     backend: str = "auto"            # device arrays: auto, nccl, mpi (LCC_BACKEND)
     cpu_reduce: bool = False         # device buckets reduced on the host (LCC_CPU_REDUCE)
+    autotune_cache: str = ""         # compression=auto's cache file ("": the default path)
+    autotune_refresh: bool = False   # LCC_AUTOTUNE=refresh: decide anew, overwrite the entry
 
     @classmethod
     def from_config(cls, cfg: Any) -> "ExecSettings":
@@ -43,7 +45,8 @@ class ExecSettings:
                    min_compress_bytes=cfg.min_compress_bytes,
                    ring_chunk_bytes=cfg.ring_chunk_bytes, mpi_chunk_bytes=cfg.mpi_chunk_bytes,
                    ef_ttl_steps=cfg.ef_ttl_steps, backend=cfg.backend,
-                   cpu_reduce=cfg.cpu_reduce,
+                   cpu_reduce=cfg.cpu_reduce, autotune_cache=cfg.autotune_cache,
+                   autotune_refresh=cfg.autotune == "refresh",
                    auto=AutoThresholds(small_bytes=cfg.auto_small_bytes,
                                        hierarchical_bytes=cfg.auto_multinode_bytes,
                                        multi_node=cfg.auto_multi_node))
@@ -106,6 +109,9 @@ class Group:
             memory = getattr(comp, "memory", None)
             if memory is not None:
                 memory.ttl_steps = self.settings.ef_ttl_steps
+            if hasattr(comp, "cache_path"):        # compression=auto: init()'s cache wins
+                comp.cache_path = self.settings.autotune_cache
+                comp.cache_refresh = self.settings.autotune_refresh
         return comp
 
     def device_comms(self) -> Any:

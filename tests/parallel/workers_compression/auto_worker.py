@@ -71,7 +71,8 @@ def train(mode: str) -> None:
 
     if mode == "train-slow":
         autoprobe._probe = lambda comp, comm, fmts, like: {f: SLOW[f] for f in fmts}
-    lcc.init()
+    init_cache = os.environ.get("LCC_TEST_INIT_CACHE")     # init()'s argument, not the env's
+    lcc.init(**({"autotune_cache": init_cache} if init_cache else {}))
     n, rank = lcc.size(), lcc.rank()
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(32, 128), nn.ReLU(), nn.Linear(128, 16))
