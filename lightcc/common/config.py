@@ -248,6 +248,10 @@ KNOBS: tuple[Knob, ...] = (
     Knob("elastic_timeout", "LCC_ELASTIC_TIMEOUT", _parse_float, 600.0, "s",
          "Elastic jobs (lccrun --elastic-timeout): the longest the survivors may take to re-form "
          "the group after a rank died; past it the job ends (docs/elastic.md).", _min(0.1)),
+    Knob("elastic_reset_limit", "LCC_ELASTIC_RESET_LIMIT", _parse_int, 0, "resets",
+         "Elastic jobs (lccrun --reset-limit, Horovod's reset_limit): the most times the group "
+         "may be re-formed; the failure or host change that would need one more ends the job "
+         "with a message. 0: no limit (docs/elastic.md).", _min(0)),
     Knob("shutdown_timeout", "LCC_SHUTDOWN_TIMEOUT", _parse_float, 30.0, "s",
          "How long shutdown() waits for the background thread before giving up.", _min(0.0)),
 )
@@ -295,6 +299,7 @@ class Config:
     flight_dir: str
     elastic_min_np: int
     elastic_timeout: float
+    elastic_reset_limit: int
     shutdown_timeout: float
 
     def replace(self, **changes: Any) -> "Config":
