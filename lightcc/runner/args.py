@@ -144,6 +144,10 @@ def build_parser() -> argparse.ArgumentParser:
     el.add_argument("--elastic-timeout", type=float, metavar="S",
                     help="longest time the survivors may take to re-form the group after a "
                          "failure before the job ends; default 600 s. Env LCC_ELASTIC_TIMEOUT.")
+    el.add_argument("--reset-limit", type=int, metavar="N",
+                    help="the most times the group may be re-formed (Horovod's reset_limit); "
+                         "the failure that would need one more ends the job; default 0 = no "
+                         "limit. Env LCC_ELASTIC_RESET_LIMIT.")
     el.add_argument("--host-discovery-script", metavar="PATH",
                     help="executable printing one 'host:slots' (or 'host') a line, as for "
                          "horovodrun; read once at launch for the hosts (later changes are not "
@@ -303,6 +307,7 @@ def _elastic(ns: argparse.Namespace, np_: int) -> dict[str, str]:
     """``LCC_ELASTIC_*`` for the elastic flags given (empty: not an elastic job)."""
     given = [f for f, v in (("--min-np", ns.min_np), ("--max-np", ns.max_np),
                             ("--elastic-timeout", ns.elastic_timeout),
+                            ("--reset-limit", ns.reset_limit),
                             ("--host-discovery-script", ns.host_discovery_script))
              if v is not None]
     if not given:
@@ -317,6 +322,10 @@ def _elastic(ns: argparse.Namespace, np_: int) -> dict[str, str]:
         if not ns.elastic_timeout > 0:
             raise UsageError(f"--elastic-timeout {ns.elastic_timeout}: must be > 0 seconds")
         env["LCC_ELASTIC_TIMEOUT"] = _num(ns.elastic_timeout)
+    if ns.reset_limit is not None:
+        if ns.reset_limit < 0:
+            raise UsageError(f"--reset-limit {ns.reset_limit}: must be >= 0 (0: no limit)")
+        env["LCC_ELASTIC_RESET_LIMIT"] = str(ns.reset_limit)
     return env
 
 

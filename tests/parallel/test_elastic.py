@@ -182,3 +182,46 @@ def test_rank_killed_inside_a_large_allreduce(overlap, delay):
     assert "elastic: lost launch rank(s) 1; continuing with 2 ranks" in out, out
     for rank in (0, 2):
         assert f"launch {rank}: done size 2 step 60" in out, out
+
+
+GAPS = str(WORKER.parent / "gaps_numpy.py")
+
+
+@pytest.mark.parametrize("victim,kept,renumbered,gone", [(2, "a", [0, 1], "b"),
+                                                         (0, "b", [0, 1], "a")])
+def test_process_sets_and_exit_code_after_a_shrink(victim, kept, renumbered, gone):
+    """Process sets [0, 1] and [1, 2]: the one whose members survived works on the new
+    group, renumbered; the other says which launch rank it lost. ``sys.exit(3)`` after the
+    shrink is the job's exit code under plain mpirun (it was 0: the process ends without
+    MPI_Finalize)."""
+    from tests.mpi_harness import run_mpi
+
+    out = run_mpi(3, ["--with-ft", "ulfm", sys.executable, GAPS, f"{victim}@4", "3"],
+                  timeout=240, expect_rc=3).stdout
+    survivors = [r for r in range(3) if r != victim]
+    for r in survivors:
+        assert f"launch {r}: set {kept} ranks {renumbered} size 2" in out, out
+        assert (f"launch {r}: set {gone} error: process set {[0, 1] if gone == 'a' else [1, 2]}"
+                f" was removed when the elastic group was re-formed: it lost launch rank(s) "
+                f"{victim}") in out, out
+        assert f"launch {r}: done size 2 step 12" in out, out
+
+
+@pytest.mark.parametrize("limit", ["1", "0"])
+def test_reset_limit_ends_the_job_at_the_reset_past_it(limit):
+    """Two failures (launch rank 2 at step 4, rank 1 at step 8): with LCC_ELASTIC_RESET_LIMIT=1
+    the second one ends the job with the message (exit status 1 from the last process left);
+    with 0 (no limit) rank 0 finishes alone."""
+    from tests.mpi_harness import run_mpi
+
+    out = run_mpi(3, ["--with-ft", "ulfm", "-x", "LCC_ELASTIC_RESET_LIMIT", sys.executable,
+                      GAPS, "2@4,1@8", "0"], env={"LCC_ELASTIC_RESET_LIMIT": limit},
+                  timeout=240, expect_rc=None)
+    if limit == "1":
+        assert out.returncode == 1, out.stdout
+        assert ("ElasticError: elastic: the group was already re-formed 1 time(s), the limit "
+                "(--reset-limit / LCC_ELASTIC_RESET_LIMIT 1): ending the job") in out.stdout
+        assert "done" not in out.stdout
+    else:
+        assert out.returncode == 0, out.stdout
+        assert "launch 0: done size 1 step 12" in out.stdout, out.stdout

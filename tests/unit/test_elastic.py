@@ -157,6 +157,9 @@ def test_elastic_flags_launch_with_fault_tolerance():
     i = launch.argv.index("--with-ft")
     assert launch.argv[i + 1] == "ulfm"
     assert launch.env["LCC_ELASTIC_MIN_NP"] == "2" and launch.env["LCC_ELASTIC_TIMEOUT"] == "30"
+    assert "LCC_ELASTIC_RESET_LIMIT" not in launch.env
+    _, launch = _build(["-np", "3", "--reset-limit", "2", "python", "t.py"])
+    assert launch.env["LCC_ELASTIC_RESET_LIMIT"] == "2" and "--with-ft" in launch.argv
 
 
 def test_without_elastic_flags_nothing_changes():
@@ -170,6 +173,7 @@ def test_without_elastic_flags_nothing_changes():
     (["-np", "3", "--min-np", "0"], "--min-np 0"),
     (["-np", "3", "--max-np", "2"], "--max-np 2 is below -np 3"),
     (["-np", "3", "--elastic-timeout", "0"], "--elastic-timeout 0"),
+    (["-np", "3", "--reset-limit", "-1"], "--reset-limit -1: must be >= 0"),
     (["-H", "a:2", "--host-discovery-script", "/bin/true"], "not both"),
     (["--host-discovery-script", "/nonexistent/x"], "not an executable file"),
 ])
@@ -204,3 +208,8 @@ def test_membership_lines_one_per_change_once(tmp_path):
     (tmp_path / "elastic-3.json").write_text(json.dumps({"size": 1, "lost": [], "seconds": 0.2}))
     assert supervise.membership_lines(str(tmp_path), seen) == [
         "lccrun: elastic: hosts updated; the same 1 ranks continue, group re-formed in 0.20 s"]
+
+
+@pytest.mark.parametrize("code,status", [(None, 0), (0, 0), (3, 3), (256 + 4, 4), ("bye", 1)])
+def test_exit_status_after_a_shrink_is_the_interpreters(code, status):
+    assert elastic.recovery._exit_status(code) == status

@@ -18,6 +18,7 @@ import os
 import sys
 import threading
 import time
+import traceback
 from typing import Any, Callable
 
 from .. import config as config_mod
@@ -45,6 +46,8 @@ class _Membership:
         self.launch_ranks: list[int] = []    # launch rank of each current rank
         self.changes = 0
         self.exit_hooked = False
+        self.exit_code = 0               # the code of sys.exit(n) after a shrink
+        self.alive = 0                   # processes in the last shrunk communicator
 
 
 _members = _Membership()
@@ -111,6 +114,7 @@ def reset() -> dict:
     try:
         ulfm.revoke(old)
         _revoke_engine()
+        sets = [(ps, list(ps.ranks or ())) for ps in api_state._added_sets]
         lifecycle.shutdown()
         new = None
         while new is None:
@@ -120,9 +124,16 @@ def reset() -> dict:
                 if not ulfm.is_process_failure(exc):
                     raise
                 ulfm.revoke(old)
+        _members.alive = new.Get_size()
+        _exit_without_finalize()
         mine = ulfm.launch_rank()
         launch = new.allgather(mine)
         lost = sorted(set(old_launch) - set(launch))
+        if cfg.elastic_reset_limit and _members.changes >= cfg.elastic_reset_limit:
+            raise ElasticError(
+                f"elastic: the group was already re-formed {_members.changes} time(s), the "
+                f"limit (--reset-limit / LCC_ELASTIC_RESET_LIMIT {cfg.elastic_reset_limit}): "
+                f"ending the job")
         if new.Get_size() < cfg.elastic_min_np:
             raise ElasticError(
                 f"elastic: {new.Get_size()} rank(s) left after launch rank(s) "
@@ -131,15 +142,38 @@ def reset() -> dict:
         lifecycle.init(comm=new)
         _members.comm, _members.launch_ranks = new, launch
         _members.changes += 1
-        _exit_without_finalize()
+        dropped = _readd_process_sets(sets, old_launch, launch)
     finally:
         done.set()
     seconds = time.monotonic() - start
     change = {"size": len(launch), "lost": lost, "seconds": round(seconds, 3),
-              "change": _members.changes}
+              "change": _members.changes, "dropped_sets": dropped}
     if api_state.rank() == 0:
         _report(change)
     return change
+
+
+def _readd_process_sets(sets: list[tuple[Any, list[int]]], old_launch: list[int],
+                        launch: list[int]) -> list[list[int]]:
+    """Add again, on the new group and renumbered, the process sets whose members all
+    survived (collective: every survivor had added the same sets in the same order); a set
+    that lost a member stays removed (its ``process_set_id`` is None, and it says why).
+    Returns the old ranks of the sets dropped."""
+    where = {rank: i for i, rank in enumerate(launch)}
+    dropped = []
+    for ps, ranks in sets:
+        members = [old_launch[r] for r in ranks]
+        if all(m in where for m in members):
+            ps.ranks = sorted(where[m] for m in members)
+            lifecycle.add_process_set(ps)
+        else:
+            dropped.append(ranks)
+            gone = ", ".join(str(m) for m in members if m not in where)
+            ps.removed_because = (f"process set {ranks} was removed when the elastic group "
+                                  f"was re-formed: it lost launch rank(s) {gone}; add a new "
+                                  f"one in a reset callback")
+            log.warning("elastic: %s", ps.removed_because)
+    return dropped
 
 
 def _watch(done: threading.Event, timeout: float) -> None:
@@ -175,7 +209,10 @@ def _report(change: dict) -> None:
 def _exit_without_finalize() -> None:
     """After a shrink, end the process without ``MPI_Finalize``: with a dead peer, Open MPI
     5.0's finalize fence hung in 3 of 6 runs here (docs/elastic.md). Registered once; runs
-    before mpi4py's finalize (Python's atexit handlers come first)."""
+    before mpi4py's finalize (Python's atexit handlers come first). The exit status is kept:
+    ``sys.exit(n)`` is recorded, and an uncaught exception on the last process left ends it
+    with status 1 directly (prterun with ULFM reports 0 when the last process calls
+    ``MPI_Abort``; with others left the abort still ends them)."""
     if _members.exit_hooked:
         return
     _members.exit_hooked = True
@@ -189,9 +226,35 @@ def _exit_without_finalize() -> None:
                     stream.flush()
                 except Exception:  # noqa: BLE001 - a closed stream must not block the exit
                     pass
-            os._exit(0)
+            os._exit(_members.exit_code)
 
+    original = sys.exit
+
+    def exit_recorded(code: Any = None) -> None:
+        """``sys.exit`` that remembers its code for ``leave`` (which ends the process)."""
+        _members.exit_code = _exit_status(code)
+        original(code)
+
+    sys.exit = exit_recorded
+    previous_hook = sys.excepthook
+
+    def hook(tp: type[BaseException], value: BaseException, tb: Any) -> None:
+        _members.exit_code = 130 if issubclass(tp, KeyboardInterrupt) else 1
+        if _members.alive <= 1:
+            traceback.print_exception(tp, value, tb)
+            leave()
+        previous_hook(tp, value, tb)
+
+    sys.excepthook = hook
     atexit.register(leave)
+
+
+def _exit_status(code: Any) -> int:
+    """The status the interpreter gives ``sys.exit(code)``: None 0, an int itself, else 1
+    (it prints a message)."""
+    if code is None:
+        return 0
+    return code & 0xFF if isinstance(code, int) else 1
 
 
 def run_fn(func: Callable[..., Any], reset_fn: Callable[[], Any] = reset) -> Callable[..., Any]:
