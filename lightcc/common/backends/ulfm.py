@@ -73,3 +73,46 @@ def is_process_failure(exc: BaseException | None) -> bool:
 def abort(code: int) -> None:
     """``MPI_Abort`` on the launch world: prterun ends every remaining rank."""
     _mpi().COMM_WORLD.Abort(code)
+
+
+def parent() -> Any:
+    """The intercommunicator to the processes that spawned this one (None when launched)."""
+    MPI = _mpi()
+    inter = MPI.Comm.Get_parent()
+    return None if inter == MPI.COMM_NULL else inter
+
+
+def spawn(comm: Any, argv: list[str], hosts: list[tuple[str, int, int]]) -> tuple[Any, Any]:
+    """Start new processes running ``argv`` (collective over ``comm``; rank 0's arguments
+    count): ``hosts`` lists (host, new processes there, slots to declare for it). Returns
+    (intercommunicator, merged intracommunicator with ``comm``'s members first).
+
+    Each host is declared to PRRTE with ``PMIX_ADD_HOST`` (``host:slots``), so a host that
+    was not in the launch allocation, or more slots on one that was, can be used."""
+    MPI = _mpi()
+    n = sum(count for _, count, _ in hosts)
+    infos = []
+    for host, count, slots in hosts:
+        info = MPI.Info.Create()
+        info.Set("PMIX_ADD_HOST", f"{host}:{slots}")
+        info.Set("host", host)
+        infos.append((count, info))
+    if comm.Get_rank() == 0 and len(infos) > 1:
+        inter = comm.Spawn_multiple([argv[0]] * len(infos), [argv[1:]] * len(infos),
+                                    [c for c, _ in infos], [i for _, i in infos], root=0)
+    elif len(infos) > 1:
+        inter = comm.Spawn_multiple(None, None, None, None, root=0)
+    else:
+        inter = comm.Spawn(argv[0], argv[1:], maxprocs=n, info=infos[0][1], root=0)
+    for _, info in infos:
+        info.Free()
+    return inter, inter.Merge(high=False)
+
+
+def disconnect(inter: Any) -> None:
+    """Disconnect from the processes at the other end of ``inter`` (collective with them), so
+    that each side's ``MPI_Finalize`` is its own. Never raises."""
+    try:
+        inter.Disconnect()
+    except Exception:  # noqa: BLE001 - a dead peer: nothing left to disconnect from
+        pass
