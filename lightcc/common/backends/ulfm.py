@@ -116,3 +116,8 @@ def disconnect(inter: Any) -> None:
         inter.Disconnect()
     except Exception:  # noqa: BLE001 - a dead peer: nothing left to disconnect from
         pass
+
+
+def UNDEFINED() -> int:  # noqa: N802 - MPI's name
+    """``MPI.UNDEFINED`` (the colour of a process that leaves a split)."""
+    return _mpi().UNDEFINED

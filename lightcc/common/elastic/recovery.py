@@ -15,18 +15,22 @@ import functools
 import json
 import logging
 import os
+import socket
 import sys
 import threading
 import time
 import traceback
 from typing import Any, Callable
 
+import numpy as np
+
 from .. import config as config_mod
 from ... import _exit
-from ..api import lifecycle, state as api_state
+from ..api import collectives, lifecycle, state as api_state
 from ..backends import ulfm
 from ..exceptions import (CollectiveError, LightCCError, MismatchError, ShutdownError,
                           StallError)
+from . import growth, hosts
 from .state import HostsUpdatedInterrupt, State
 
 log = logging.getLogger("lightcc")
@@ -48,6 +52,12 @@ class _Membership:
         self.exit_hooked = False
         self.exit_code = 0               # the code of sys.exit(n) after a shrink
         self.alive = 0                   # processes in the last shrunk communicator
+        self.my_id = -1                  # this process's launch number (joiners: new ones)
+        self.next_id = 0                 # the launch number the next joiner gets
+        self.inters: list[Any] = []      # intercommunicators to joiners / to the survivors
+        self.leaving = False             # this rank's host left the list: it exits
+        self.joined = False              # started by a reset to grow the group
+        self.started = False             # run() read the first host list
 
 
 _members = _Membership()
@@ -76,6 +86,7 @@ def _current() -> Any:
                                "launch world (init() without comm=)")
         _members.comm = world
         _members.launch_ranks = list(range(eng.size))
+        _members.my_id, _members.next_id = ulfm.launch_rank(), eng.size
     return _members.comm
 
 
@@ -126,14 +137,14 @@ def reset() -> dict:
                 ulfm.revoke(old)
         _members.alive = new.Get_size()
         _exit_without_finalize()
-        mine = ulfm.launch_rank()
-        launch = new.allgather(mine)
+        launch = new.allgather(_members.my_id)
         lost = sorted(set(old_launch) - set(launch))
         if cfg.elastic_reset_limit and _members.changes >= cfg.elastic_reset_limit:
             raise ElasticError(
                 f"elastic: the group was already re-formed {_members.changes} time(s), the "
                 f"limit (--reset-limit / LCC_ELASTIC_RESET_LIMIT {cfg.elastic_reset_limit}): "
                 f"ending the job")
+        new, launch, joined, inter, listed, removed = _change_hosts(new, cfg.elastic_max_np)
         if new.Get_size() < cfg.elastic_min_np:
             raise ElasticError(
                 f"elastic: {new.Get_size()} rank(s) left after launch rank(s) "
@@ -142,19 +153,87 @@ def reset() -> dict:
         lifecycle.init(comm=new)
         _members.comm, _members.launch_ranks = new, launch
         _members.changes += 1
-        dropped = _readd_process_sets(sets, old_launch, launch)
+        hosts.Seen.version = listed.version
+        if inter is not None:
+            _members.inters.append(inter)
+        dropped = _readd_process_sets(sets, old_launch, launch, joined)
     finally:
         done.set()
     seconds = time.monotonic() - start
-    change = {"size": len(launch), "lost": lost, "seconds": round(seconds, 3),
-              "change": _members.changes, "dropped_sets": dropped}
+    change = {"size": len(launch), "lost": lost, "removed": removed, "joined": joined,
+              "seconds": round(seconds, 3), "change": _members.changes,
+              "dropped_sets": dropped}
     if api_state.rank() == 0:
         _report(change)
     return change
 
 
+def _change_hosts(comm: Any, max_np: int) -> tuple[Any, list[int], list[int], Any,
+                                                  hosts.HostList, list[int]]:
+    """After the shrink: the ranks on hosts lccrun no longer lists leave (this process exits
+    if it is one of them), and new processes start on free listed slots up to ``max_np``.
+    Returns (communicator, launch numbers, launch numbers that joined, intercommunicator or
+    None, the host list, launch numbers removed)."""
+    listed = growth.agree_hosts(comm, os.environ.get(STATUS_DIR_ENV))
+    before = comm.allgather(_members.my_id)
+    comm, stays = growth.without_removed(comm, listed, growth.hostnames(comm))
+    if not stays:
+        _members.leaving = True
+        log.warning("elastic: this rank's host %s is no longer in the job's host list: it "
+                    "leaves the job", socket.gethostname())
+        raise SystemExit(0)
+    launch = comm.allgather(_members.my_id)
+    removed = sorted(set(before) - set(launch))
+    plan = growth.plan_growth(comm, listed, max_np, growth.hostnames(comm))
+    if not plan:
+        return comm, launch, [], None, listed, removed
+    joined = list(range(_members.next_id, _members.next_id + sum(n for _, n, _ in plan)))
+    _members.next_id += len(joined)
+    meta = {"launch": launch + joined, "next_id": _members.next_id,
+            "version": listed.version, "changes": _members.changes + 1}
+    merged, inter = growth.grow(comm, plan, meta)
+    return merged, launch + joined, joined, inter, listed, removed
+
+
+def _first_host_list() -> None:
+    """The host list the job started with (lccrun publishes version 1 at launch): the
+    newest any rank sees, so that only later changes reset the group. A process that joined
+    got it from the survivors."""
+    if _members.joined or _members.started:
+        return
+    _members.started = True
+    version = hosts.published(os.environ.get(STATUS_DIR_ENV))
+    if api_state.is_initialized() and api_state.size() > 1:
+        version = int(collectives.allreduce(np.array([version], np.int64), op=api_state.Max)[0])
+    hosts.Seen.version = max(hosts.Seen.version, version)
+
+
+def join_group() -> Any:
+    """In a process started by a reset to grow the group (called by ``init()``): the merged
+    communicator to initialize on, after taking the survivors' membership record; None in a
+    process the launcher started."""
+    joined = growth.join()
+    if joined is None:
+        return None
+    merged, inter, meta = joined
+    _members.comm, _members.launch_ranks = merged, list(meta["launch"])
+    _members.my_id = meta["launch"][merged.Get_rank()]
+    _members.next_id, _members.changes = meta["next_id"], meta["changes"]
+    _members.inters.append(inter)
+    _members.joined = True
+    hosts.Seen.version = meta["version"]
+
+    def disconnect() -> None:
+        lifecycle.shutdown()
+        for other in _members.inters:
+            ulfm.disconnect(other)
+
+    atexit.register(disconnect)     # then MPI_Finalize, unless a later shrink ends it first
+    return merged
+
+
 def _readd_process_sets(sets: list[tuple[Any, list[int]]], old_launch: list[int],
-                        launch: list[int]) -> list[list[int]]:
+                        launch: list[int], joined: list[int]) -> list[list[int]]:
     """Add again, on the new group and renumbered, the process sets whose members all
     survived (collective: every survivor had added the same sets in the same order); a set
     that lost a member stays removed (its ``process_set_id`` is None, and it says why).
@@ -163,7 +242,14 @@ def _readd_process_sets(sets: list[tuple[Any, list[int]]], old_launch: list[int]
     dropped = []
     for ps, ranks in sets:
         members = [old_launch[r] for r in ranks]
-        if all(m in where for m in members):
+        if joined:
+            dropped.append(ranks)
+            ps.removed_because = (f"process set {ranks} was removed when the elastic group "
+                                  f"was re-formed: launch rank(s) "
+                                  f"{', '.join(map(str, joined))} joined; add a new one in a "
+                                  f"reset callback")
+            log.warning("elastic: %s", ps.removed_because)
+        elif all(m in where for m in members):
             ps.ranks = sorted(where[m] for m in members)
             lifecycle.add_process_set(ps)
         else:
@@ -220,6 +306,9 @@ def _exit_without_finalize() -> None:
     def leave() -> None:
         try:
             lifecycle.shutdown()
+            if not _members.leaving:
+                for other in _members.inters:
+                    ulfm.disconnect(other)
         finally:
             for stream in (sys.stdout, sys.stderr):
                 try:
@@ -266,6 +355,7 @@ def run_fn(func: Callable[..., Any], reset_fn: Callable[[], Any] = reset) -> Cal
     @functools.wraps(func)
     def wrapper(state: State, *args: Any, **kwargs: Any) -> Any:
         check_ready()
+        _first_host_list()
         skip_sync = False
         while True:
             if not skip_sync:
