@@ -331,8 +331,8 @@ def _elastic(ns: argparse.Namespace, np_: int) -> dict[str, str]:
     if ns.max_np is not None:
         env["LCC_ELASTIC_MAX_NP"] = str(ns.max_np)
     if not ns.host_discovery_period > 0:
-        raise UsageError(f"--host-discovery-period {ns.host_discovery_period}: must be > 0 "
-                         f"seconds")
+        raise UsageError(f"--host-discovery-period {_num(ns.host_discovery_period)}: must be "
+                         f"> 0 seconds")
     if ns.elastic_timeout is not None:
         if not ns.elastic_timeout > 0:
             raise UsageError(f"--elastic-timeout {ns.elastic_timeout}: must be > 0 seconds")

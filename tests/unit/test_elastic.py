@@ -172,6 +172,8 @@ def test_without_elastic_flags_nothing_changes():
     (["-np", "3", "--min-np", "4"], "--min-np 4: must be between 1 and -np (3)"),
     (["-np", "3", "--min-np", "0"], "--min-np 0"),
     (["-np", "3", "--max-np", "2"], "--max-np 2 is below -np 3"),
+    (["-np", "3", "--min-np", "2", "--host-discovery-period", "0"],
+     "--host-discovery-period 0: must be > 0"),
     (["-np", "3", "--elastic-timeout", "0"], "--elastic-timeout 0"),
     (["-np", "3", "--reset-limit", "-1"], "--reset-limit -1: must be >= 0"),
     (["-H", "a:2", "--host-discovery-script", "/bin/true"], "not both"),
@@ -213,3 +215,66 @@ def test_membership_lines_one_per_change_once(tmp_path):
 @pytest.mark.parametrize("code,status", [(None, 0), (0, 0), (3, 3), (256 + 4, 4), ("bye", 1)])
 def test_exit_status_after_a_shrink_is_the_interpreters(code, status):
     assert elastic.recovery._exit_status(code) == status
+
+
+# ---------------------------------------------------------------- growth and host lists
+from lightcc.common.elastic import hosts as hosts_mod  # noqa: E402
+from lightcc.runner.discovery import Discovery, describe  # noqa: E402
+from lightcc.runner.hosts import Host  # noqa: E402
+
+
+def test_free_slots_fill_listed_hosts_in_order_up_to_the_target():
+    hl = hosts_mod.HostList(3, (("a", 2), ("b", 2), ("c", 4)), launcher="a")
+    # ranks on a (2) and b (1): b has 1 free slot, c 4; target 5 needs 2 more
+    assert hl.free_slots(["a", "a", "b"], 5) == [("b", 1, 2), ("c", 1, 4)]
+    assert hl.free_slots(["a", "a", "b"], 3) == []
+    assert hl.free_slots(["a.example.com"], 2) == [("a", 1, 2)]   # short names match
+
+
+def test_localhost_entries_belong_to_the_launchers_machine():
+    hl = hosts_mod.HostList(1, (("localhost", 3),), launcher="node7")
+    assert hl.owner("node7") == "localhost" and hl.owner("node8") is None
+    assert hl.free_slots(["node7", "node7"], 3) == [("localhost", 1, 3)]
+
+
+def test_host_list_file_round_trip_and_missing(tmp_path):
+    assert hosts_mod.read(str(tmp_path)).version == 0
+    hosts_mod.write(str(tmp_path), 4, [("a", 2), ("b", 1)])
+    hl = hosts_mod.read(str(tmp_path))
+    assert hl.version == 4 and hl.hosts == (("a", 2), ("b", 1))
+    assert hosts_mod.published(str(tmp_path)) == 4 and hosts_mod.published(None) == 0
+
+
+def test_discovery_publishes_a_new_version_only_when_the_list_changes(tmp_path, capsys):
+    listing = tmp_path / "hosts.txt"
+    listing.write_text("a:2\n")
+    script = tmp_path / "discover.sh"
+    script.write_text(f"#!/bin/sh\ncat {listing}\n")
+    script.chmod(0o755)
+    d = Discovery(str(tmp_path), [Host("a", 2)], str(script), period=10.0)
+    assert hosts_mod.read(str(tmp_path)).version == 1
+    assert d.poll(now=0.0) == []                       # not due yet
+    assert d.poll(now=1e9) == [] and hosts_mod.read(str(tmp_path)).version == 1   # same list
+    listing.write_text("a:2\nb:4\n")
+    assert d.poll(now=2e9) == ["lccrun: elastic: hosts changed (+b:4); the ranks re-form the "
+                               "group at their next commit"]
+    assert hosts_mod.read(str(tmp_path)).hosts == (("a", 2), ("b", 4))
+    listing.write_text("")                             # prints nothing: keep the last list
+    assert d.poll(now=3e9) == [] and hosts_mod.read(str(tmp_path)).version == 2
+    assert "keeping the last host list" in capsys.readouterr().err
+
+
+def test_describe_a_host_change():
+    assert describe([("a", 2), ("b", 2)], [("a", 3), ("c", 1)]) == "+c:1, -b, a 2->3 slots"
+
+
+def test_membership_line_names_joined_and_removed_ranks(tmp_path):
+    (tmp_path / "elastic-1.json").write_text(json.dumps(
+        {"size": 3, "lost": [2], "joined": [3], "seconds": 2.5}))
+    (tmp_path / "elastic-2.json").write_text(json.dumps(
+        {"size": 2, "lost": [], "removed": [0, 1], "joined": [4, 5], "seconds": 1.0}))
+    assert supervise.membership_lines(str(tmp_path), set()) == [
+        "lccrun: elastic: lost rank 2, joined rank 3 (launch numbering); 3 ranks continue, "
+        "group re-formed in 2.50 s",
+        "lccrun: elastic: removed (host left) ranks 0, 1, joined ranks 4, 5 (launch "
+        "numbering); 2 ranks continue, group re-formed in 1.00 s"]

@@ -273,10 +273,12 @@ def _watch(done: threading.Event, timeout: float) -> None:
 
 def _report(change: dict) -> None:
     """One line in the log, and a record for lccrun (which prints it as one line)."""
-    if change["lost"]:
-        log.warning("elastic: lost launch rank(s) %s; continuing with %d ranks (re-formed in "
-                    "%.2f s)", ", ".join(map(str, change["lost"])), change["size"],
-                    change["seconds"])
+    what = [f"{verb} launch rank(s) {', '.join(map(str, change[key]))}"
+            for key, verb in (("lost", "lost"), ("removed", "removed (host left)"),
+                              ("joined", "joined")) if change.get(key)]
+    if what:
+        log.warning("elastic: %s; continuing with %d ranks (re-formed in %.2f s)",
+                    ", ".join(what), change["size"], change["seconds"])
     else:
         log.warning("elastic: group re-formed with the same %d ranks (hosts updated) in "
                     "%.2f s", change["size"], change["seconds"])
