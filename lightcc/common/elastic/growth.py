@@ -52,7 +52,10 @@ def grow(comm: Any, plan: list[tuple[str, int, int]], meta: dict) -> tuple[Any, 
     returns (merged communicator, survivors first; intercommunicator). The new processes
     receive ``meta`` (launch numbers, host-list version, ...) from rank 0 in :func:`join`."""
     argv = [sys.executable, *sys.orig_argv[1:]]
-    inter, merged = ulfm.spawn(comm, argv, plan)
+    # PRRTE may still count the slots of processes that died or left: declare the listed
+    # slots plus every process started so far (lightcc's plan keeps the listed limit)
+    started = meta["next_id"]
+    inter, merged = ulfm.spawn(comm, argv, [(h, n, slots + started) for h, n, slots in plan])
     merged.bcast(meta, root=0)
     return merged, inter
 

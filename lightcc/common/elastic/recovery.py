@@ -36,6 +36,7 @@ from .state import HostsUpdatedInterrupt, State
 log = logging.getLogger("lightcc")
 
 STATUS_DIR_ENV = _exit.STATUS_DIR_ENV       # lccrun's status directory
+WAIT_GRACE_S = 15.0     # the watchdog's margin past LCC_ELASTIC_TIMEOUT (for the wait's end)
 
 
 class ElasticError(LightCCError):
@@ -120,7 +121,8 @@ def reset() -> dict:
     old = _current()
     old_launch = list(_members.launch_ranks)
     done = threading.Event()
-    watchdog = threading.Thread(target=_watch, args=(done, cfg.elastic_timeout), daemon=True)
+    watchdog = threading.Thread(target=_watch, args=(done, cfg.elastic_timeout + WAIT_GRACE_S),
+                                daemon=True)
     watchdog.start()
     try:
         ulfm.revoke(old)
@@ -144,7 +146,7 @@ def reset() -> dict:
                 f"elastic: the group was already re-formed {_members.changes} time(s), the "
                 f"limit (--reset-limit / LCC_ELASTIC_RESET_LIMIT {cfg.elastic_reset_limit}): "
                 f"ending the job")
-        new, launch, joined, inter, listed, removed = _change_hosts(new, cfg.elastic_max_np)
+        new, launch, joined, inter, listed, removed = _change_hosts(new, cfg, start)
         if new.Get_size() < cfg.elastic_min_np:
             raise ElasticError(
                 f"elastic: {new.Get_size()} rank(s) left after launch rank(s) "
@@ -168,12 +170,15 @@ def reset() -> dict:
     return change
 
 
-def _change_hosts(comm: Any, max_np: int) -> tuple[Any, list[int], list[int], Any,
-                                                  hosts.HostList, list[int]]:
+def _change_hosts(comm: Any, cfg: config_mod.Config, start: float
+                  ) -> tuple[Any, list[int], list[int], Any, hosts.HostList, list[int]]:
     """After the shrink: the ranks on hosts lccrun no longer lists leave (this process exits
-    if it is one of them), and new processes start on free listed slots up to ``max_np``.
-    Returns (communicator, launch numbers, launch numbers that joined, intercommunicator or
-    None, the host list, launch numbers removed)."""
+    if it is one of them), and new processes start on free listed slots up to
+    ``LCC_ELASTIC_MAX_NP``. Below ``LCC_ELASTIC_MIN_NP`` with growth allowed, wait (polling
+    the host list every second) until it offers enough free slots, at most until
+    ``LCC_ELASTIC_TIMEOUT`` after the reset began. Returns (communicator, launch numbers,
+    launch numbers that joined, intercommunicator or None, the host list, launch numbers
+    removed)."""
     listed = growth.agree_hosts(comm, os.environ.get(STATUS_DIR_ENV))
     before = comm.allgather(_members.my_id)
     comm, stays = growth.without_removed(comm, listed, growth.hostnames(comm))
@@ -184,10 +189,29 @@ def _change_hosts(comm: Any, max_np: int) -> tuple[Any, list[int], list[int], An
         raise SystemExit(0)
     launch = comm.allgather(_members.my_id)
     removed = sorted(set(before) - set(launch))
-    plan = growth.plan_growth(comm, listed, max_np, growth.hostnames(comm))
+    need = cfg.elastic_min_np if cfg.elastic_max_np else 0
+    logged = False
+    while True:
+        plan = growth.plan_growth(comm, listed, cfg.elastic_max_np, growth.hostnames(comm))
+        offered = sum(n for _, n, _ in plan)
+        if len(launch) + offered >= need:
+            break
+        give_up = comm.bcast(time.monotonic() - start >= cfg.elastic_timeout, root=0)
+        if give_up:
+            raise ElasticError(
+                f"elastic: {len(launch)} rank(s) left, fewer than the minimum of {need} "
+                f"(--min-np / LCC_ELASTIC_MIN_NP); waited {time.monotonic() - start:.0f} s "
+                f"(--elastic-timeout) for the host list to offer {need - len(launch)} more "
+                f"slot(s), it offers {offered}: ending the job")
+        if not logged and comm.Get_rank() == 0:
+            log.warning("elastic: %d rank(s) left, fewer than the minimum of %d: waiting up to "
+                        "%.0f s for hosts", len(launch), need, cfg.elastic_timeout)
+        logged = True
+        time.sleep(1.0)
+        listed = growth.agree_hosts(comm, os.environ.get(STATUS_DIR_ENV))
     if not plan:
         return comm, launch, [], None, listed, removed
-    joined = list(range(_members.next_id, _members.next_id + sum(n for _, n, _ in plan)))
+    joined = list(range(_members.next_id, _members.next_id + offered))
     _members.next_id += len(joined)
     meta = {"launch": launch + joined, "next_id": _members.next_id,
             "version": listed.version, "changes": _members.changes + 1}

@@ -6,7 +6,8 @@ new group finished (FIRST_STEP <unix time>); the victim prints KILL <unix time> 
 
 With GROW_AT, rank 0 rewrites the host list that lccrun's discovery script prints
 ($LCC_TEST_HOSTS_FILE) to NEW_HOSTS at epoch 0, step GROW_AT, and every rank waits 3 s there
-so that lccrun publishes it before the next commit. Rank 0 prints RESET <epoch> <batch> <size>
+so that lccrun publishes it before the next commit. The victim creates the file
+$LCC_TEST_KILL_MARK (when set) just before it dies. Rank 0 prints RESET <epoch> <batch> <size>
 after each reset (where training goes on from).
 
 Usage: train_torch.py OUT VICTIM KILL_AT [GROW_AT NEW_HOSTS]   (VICTIM -1: nobody dies)
@@ -52,8 +53,10 @@ def main() -> None:
             for i in range(0, len(mine), BATCH):
                 if launch_rank == victim and state.epoch == 0 and state.batch == kill_at:
                     print(f"KILL {time.time():.6f}", flush=True)
+                    if os.environ.get("LCC_TEST_KILL_MARK"):
+                        open(os.environ["LCC_TEST_KILL_MARK"], "w").close()
                     os.kill(os.getpid(), 9)
-                if state.epoch == 0 and state.batch == grow_at and lcc.size() == 2:
+                if state.epoch == 0 and state.batch == grow_at:
                     if lcc.rank() == 0:
                         with open(os.environ["LCC_TEST_HOSTS_FILE"], "w") as f:
                             f.write(sys.argv[5].replace(",", "\n") + "\n")
