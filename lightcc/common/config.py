@@ -252,6 +252,10 @@ KNOBS: tuple[Knob, ...] = (
          "Elastic jobs (lccrun --max-np): after a reset the group grows back to this many "
          "ranks by starting new processes on listed hosts with free slots (lccrun's host list "
          "or discovery script). 0: never grow (docs/elastic.md).", _min(0)),
+    Knob("elastic_blacklist_after", "LCC_ELASTIC_BLACKLIST_AFTER", _parse_int, 0, "failures",
+         "Elastic jobs (lccrun --blacklist-after): a host on which this many ranks failed gets "
+         "no new ranks for the rest of the job. 0: never blacklist (docs/elastic.md).",
+         _min(0)),
     Knob("elastic_reset_limit", "LCC_ELASTIC_RESET_LIMIT", _parse_int, 0, "resets",
          "Elastic jobs (lccrun --reset-limit, Horovod's reset_limit): the most times the group "
          "may be re-formed; the failure or host change that would need one more ends the job "
@@ -304,6 +308,7 @@ class Config:
     elastic_min_np: int
     elastic_timeout: float
     elastic_max_np: int
+    elastic_blacklist_after: int
     elastic_reset_limit: int
     shutdown_timeout: float
 
