@@ -147,6 +147,9 @@ def build_parser() -> argparse.ArgumentParser:
     el.add_argument("--elastic-timeout", type=float, metavar="S",
                     help="longest time the survivors may take to re-form the group after a "
                          "failure before the job ends; default 600 s. Env LCC_ELASTIC_TIMEOUT.")
+    el.add_argument("--blacklist-after", type=int, metavar="N",
+                    help="a host on which N ranks failed gets no new ranks (with --max-np); "
+                         "default 0 = never. Env LCC_ELASTIC_BLACKLIST_AFTER.")
     el.add_argument("--reset-limit", type=int, metavar="N",
                     help="the most times the group may be re-formed (Horovod's reset_limit); "
                          "the failure that would need one more ends the job; default 0 = no "
@@ -318,6 +321,7 @@ def _elastic(ns: argparse.Namespace, np_: int) -> dict[str, str]:
     given = [f for f, v in (("--min-np", ns.min_np), ("--max-np", ns.max_np),
                             ("--elastic-timeout", ns.elastic_timeout),
                             ("--reset-limit", ns.reset_limit),
+                            ("--blacklist-after", ns.blacklist_after),
                             ("--host-discovery-script", ns.host_discovery_script))
              if v is not None]
     if not given:
@@ -337,6 +341,10 @@ def _elastic(ns: argparse.Namespace, np_: int) -> dict[str, str]:
         if not ns.elastic_timeout > 0:
             raise UsageError(f"--elastic-timeout {ns.elastic_timeout}: must be > 0 seconds")
         env["LCC_ELASTIC_TIMEOUT"] = _num(ns.elastic_timeout)
+    if ns.blacklist_after is not None:
+        if ns.blacklist_after < 0:
+            raise UsageError(f"--blacklist-after {ns.blacklist_after}: must be >= 0 (0: never)")
+        env["LCC_ELASTIC_BLACKLIST_AFTER"] = str(ns.blacklist_after)
     if ns.reset_limit is not None:
         if ns.reset_limit < 0:
             raise UsageError(f"--reset-limit {ns.reset_limit}: must be >= 0 (0: no limit)")

@@ -134,8 +134,10 @@ def membership_lines(directory: str | None, seen: set[str]) -> list[str]:
             lines.append(f"lccrun: elastic: hosts updated; the same {rec.get('size')} ranks "
                          f"continue, {took}")
             continue
+        banned = "".join(f"; host {h} blacklisted after {rec.get('failures')} failed "
+                         f"rank(s)" for h in rec.get("blacklisted") or [])
         lines.append(f"lccrun: elastic: {', '.join(what)} (launch numbering); "
-                     f"{rec.get('size')} ranks continue, {took}")
+                     f"{rec.get('size')} ranks continue, {took}{banned}")
     return lines
 
 

@@ -154,6 +154,22 @@ def test_a_replacement_joins_after_a_kill_up_to_max_np(tmp_path):
 
 @needs_lccrun
 @pytest.mark.timeout(480)
+def test_a_blacklisted_host_gets_no_replacement(tmp_path):
+    """The same kill with ``--blacklist-after 1``: this machine (``localhost`` in the host
+    list) is blacklisted by the failure, no process is started, and the job finishes on the
+    2 survivors (the reference of the plain shrink)."""
+    rc, out, err, params = _run(tmp_path, 2, 5, 2, flags=["--max-np", "3",
+                                                          "--blacklist-after", "1"])
+    assert rc == 0, f"{out[-3000:]}\n{err[-5000:]}"
+    assert ("lccrun: elastic: lost rank 2 (launch numbering); 2 ranks continue, group "
+            "re-formed in") in err and "; host localhost blacklisted after 1 failed rank(s)" \
+        in err, err
+    assert "DONE size 2 resets 1" in out, out
+    _check_params(params, _reference(5))
+
+
+@needs_lccrun
+@pytest.mark.timeout(480)
 def test_a_host_added_by_the_discovery_script_grows_the_job(tmp_path):
     """-np 2 --max-np 3 with a discovery script printing ``localhost:2``; at step 4 rank 0
     makes it print ``localhost:3``: lccrun publishes the new list, every rank raises

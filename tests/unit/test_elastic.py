@@ -176,6 +176,7 @@ def test_without_elastic_flags_nothing_changes():
      "--host-discovery-period 0: must be > 0"),
     (["-np", "3", "--elastic-timeout", "0"], "--elastic-timeout 0"),
     (["-np", "3", "--reset-limit", "-1"], "--reset-limit -1: must be >= 0"),
+    (["-np", "3", "--blacklist-after", "-2"], "--blacklist-after -2: must be >= 0"),
     (["-H", "a:2", "--host-discovery-script", "/bin/true"], "not both"),
     (["--host-discovery-script", "/nonexistent/x"], "not an executable file"),
 ])
@@ -229,6 +230,7 @@ def test_free_slots_fill_listed_hosts_in_order_up_to_the_target():
     assert hl.free_slots(["a", "a", "b"], 5) == [("b", 1, 2), ("c", 1, 4)]
     assert hl.free_slots(["a", "a", "b"], 3) == []
     assert hl.free_slots(["a.example.com"], 2) == [("a", 1, 2)]   # short names match
+    assert hl.free_slots(["a", "a", "b"], 5, excluded=["b"]) == [("c", 2, 4)]   # blacklisted
 
 
 def test_localhost_entries_belong_to_the_launchers_machine():
@@ -273,8 +275,22 @@ def test_membership_line_names_joined_and_removed_ranks(tmp_path):
         {"size": 3, "lost": [2], "joined": [3], "seconds": 2.5}))
     (tmp_path / "elastic-2.json").write_text(json.dumps(
         {"size": 2, "lost": [], "removed": [0, 1], "joined": [4, 5], "seconds": 1.0}))
+    (tmp_path / "elastic-3.json").write_text(json.dumps(
+        {"size": 2, "lost": [4], "blacklisted": ["b"], "failures": 2, "seconds": 0.1}))
     assert supervise.membership_lines(str(tmp_path), set()) == [
         "lccrun: elastic: lost rank 2, joined rank 3 (launch numbering); 3 ranks continue, "
         "group re-formed in 2.50 s",
         "lccrun: elastic: removed (host left) ranks 0, 1, joined ranks 4, 5 (launch "
-        "numbering); 2 ranks continue, group re-formed in 1.00 s"]
+        "numbering); 2 ranks continue, group re-formed in 1.00 s",
+        "lccrun: elastic: lost rank 4 (launch numbering); 2 ranks continue, group re-formed "
+        "in 0.10 s; host b blacklisted after 2 failed rank(s)"]
+
+
+def test_failures_are_counted_per_listed_host_and_blacklist_at_the_limit(monkeypatch):
+    members = elastic.recovery._Membership()
+    monkeypatch.setattr(elastic.recovery, "_members", members)
+    hl = hosts_mod.HostList(1, (("a", 2), ("localhost", 2)), launcher="node0")
+    assert elastic.recovery._count_failures(hl, ["node0"], 2) == []
+    assert elastic.recovery._count_failures(hl, ["a", "node0"], 2) == ["localhost"]
+    assert members.failures == {"localhost": 2, "a": 1} and members.blacklist == ["localhost"]
+    assert elastic.recovery._count_failures(hl, ["a"], 0) == []        # 0: never

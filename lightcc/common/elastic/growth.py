@@ -39,11 +39,13 @@ def without_removed(comm: Any, listed: hosts.HostList, names: list[str]) -> tupl
     return sub, stay[me]
 
 
-def plan_growth(comm: Any, listed: hosts.HostList, target: int,
-                names: list[str]) -> list[tuple[str, int, int]]:
+def plan_growth(comm: Any, listed: hosts.HostList, target: int, names: list[str],
+                excluded: list[str] = ()) -> list[tuple[str, int, int]]:
     """Rank 0's plan, on every member: ``[(host, new processes, slots), ...]`` that brings
-    the group (on host ``names``) to at most ``target`` ranks on free listed slots."""
-    plan = listed.free_slots(names, target) if listed.version and target > len(names) else []
+    the group (on host ``names``) to at most ``target`` ranks on free listed slots, none on
+    the ``excluded`` (blacklisted) hosts."""
+    plan = (listed.free_slots(names, target, excluded)
+            if listed.version and target > len(names) else [])
     return comm.bcast(plan, root=0)
 
 

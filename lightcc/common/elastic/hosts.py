@@ -35,10 +35,11 @@ class HostList:
                 return name
         return None
 
-    def free_slots(self, hostnames: list[str], target: int) -> list[tuple[str, int, int]]:
+    def free_slots(self, hostnames: list[str], target: int,
+                   excluded: "list[str] | tuple" = ()) -> list[tuple[str, int, int]]:
         """Where to start new processes so that the group (running on ``hostnames``) grows to
-        at most ``target``: ``[(host, new processes, its slots), ...]``, hosts in list order,
-        each filled up to its slots."""
+        at most ``target``: ``[(host, new processes, its slots), ...]``, hosts in list order
+        (not the ``excluded`` ones), each filled up to its slots."""
         used: dict[str, int] = {}
         for h in hostnames:
             owner = self.owner(h)
@@ -49,6 +50,8 @@ class HostList:
         for name, slots in self.hosts:
             if want <= 0:
                 break
+            if name in excluded:
+                continue
             free = min(slots - used.get(name, 0), want)
             if free > 0:
                 plan.append((name, free, slots))

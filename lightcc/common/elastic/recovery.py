@@ -59,6 +59,8 @@ class _Membership:
         self.leaving = False             # this rank's host left the list: it exits
         self.joined = False              # started by a reset to grow the group
         self.started = False             # run() read the first host list
+        self.failures: dict[str, int] = {}   # listed host -> ranks lost there
+        self.blacklist: list[str] = []       # hosts that get no new ranks
 
 
 _members = _Membership()
@@ -128,6 +130,8 @@ def reset() -> dict:
         ulfm.revoke(old)
         _revoke_engine()
         sets = [(ps, list(ps.ranks or ())) for ps in api_state._added_sets]
+        eng = api_state._engine
+        host_of = dict(zip(old_launch, eng.hostnames)) if eng is not None else {}
         lifecycle.shutdown()
         new = None
         while new is None:
@@ -146,7 +150,8 @@ def reset() -> dict:
                 f"elastic: the group was already re-formed {_members.changes} time(s), the "
                 f"limit (--reset-limit / LCC_ELASTIC_RESET_LIMIT {cfg.elastic_reset_limit}): "
                 f"ending the job")
-        new, launch, joined, inter, listed, removed = _change_hosts(new, cfg, start)
+        new, launch, joined, inter, listed, removed, banned = _change_hosts(
+            new, cfg, start, [host_of.get(r, "") for r in lost])
         if new.Get_size() < cfg.elastic_min_np:
             raise ElasticError(
                 f"elastic: {new.Get_size()} rank(s) left after launch rank(s) "
@@ -163,6 +168,7 @@ def reset() -> dict:
         done.set()
     seconds = time.monotonic() - start
     change = {"size": len(launch), "lost": lost, "removed": removed, "joined": joined,
+              "blacklisted": banned, "failures": cfg.elastic_blacklist_after,
               "seconds": round(seconds, 3), "change": _members.changes,
               "dropped_sets": dropped}
     if api_state.rank() == 0:
@@ -170,16 +176,19 @@ def reset() -> dict:
     return change
 
 
-def _change_hosts(comm: Any, cfg: config_mod.Config, start: float
-                  ) -> tuple[Any, list[int], list[int], Any, hosts.HostList, list[int]]:
+def _change_hosts(comm: Any, cfg: config_mod.Config, start: float, lost_on: list[str]
+                  ) -> tuple[Any, list[int], list[int], Any, hosts.HostList, list[int],
+                             list[str]]:
     """After the shrink: the ranks on hosts lccrun no longer lists leave (this process exits
     if it is one of them), and new processes start on free listed slots up to
     ``LCC_ELASTIC_MAX_NP``. Below ``LCC_ELASTIC_MIN_NP`` with growth allowed, wait (polling
     the host list every second) until it offers enough free slots, at most until
     ``LCC_ELASTIC_TIMEOUT`` after the reset began. Returns (communicator, launch numbers,
     launch numbers that joined, intercommunicator or None, the host list, launch numbers
-    removed)."""
+    removed, hosts blacklisted now). ``lost_on``: the host names of the ranks that failed
+    (``LCC_ELASTIC_BLACKLIST_AFTER`` failures on one listed host exclude it from growth)."""
     listed = growth.agree_hosts(comm, os.environ.get(STATUS_DIR_ENV))
+    banned = _count_failures(listed, lost_on, cfg.elastic_blacklist_after)
     before = comm.allgather(_members.my_id)
     comm, stays = growth.without_removed(comm, listed, growth.hostnames(comm))
     if not stays:
@@ -192,7 +201,8 @@ def _change_hosts(comm: Any, cfg: config_mod.Config, start: float
     need = cfg.elastic_min_np if cfg.elastic_max_np else 0
     logged = False
     while True:
-        plan = growth.plan_growth(comm, listed, cfg.elastic_max_np, growth.hostnames(comm))
+        plan = growth.plan_growth(comm, listed, cfg.elastic_max_np, growth.hostnames(comm),
+                                  _members.blacklist)
         offered = sum(n for _, n, _ in plan)
         if len(launch) + offered >= need:
             break
@@ -210,13 +220,30 @@ def _change_hosts(comm: Any, cfg: config_mod.Config, start: float
         time.sleep(1.0)
         listed = growth.agree_hosts(comm, os.environ.get(STATUS_DIR_ENV))
     if not plan:
-        return comm, launch, [], None, listed, removed
+        return comm, launch, [], None, listed, removed, banned
     joined = list(range(_members.next_id, _members.next_id + offered))
     _members.next_id += len(joined)
     meta = {"launch": launch + joined, "next_id": _members.next_id,
-            "version": listed.version, "changes": _members.changes + 1}
+            "version": listed.version, "changes": _members.changes + 1,
+            "failures": _members.failures, "blacklist": _members.blacklist}
     merged, inter = growth.grow(comm, plan, meta)
-    return merged, launch + joined, joined, inter, listed, removed
+    return merged, launch + joined, joined, inter, listed, removed, banned
+
+
+def _count_failures(listed: hosts.HostList, lost_on: list[str], limit: int) -> list[str]:
+    """Count the failed ranks per listed host; the hosts that reach ``limit`` now are
+    blacklisted (returned). Every survivor counts the same failures."""
+    banned = []
+    for name in lost_on:
+        host = listed.owner(name) or name
+        _members.failures[host] = _members.failures.get(host, 0) + 1
+        if limit and _members.failures[host] >= limit and host not in _members.blacklist:
+            _members.blacklist.append(host)
+            banned.append(host)
+    if banned:
+        log.warning("elastic: host(s) %s blacklisted after %d failed rank(s): no new ranks "
+                    "there", ", ".join(banned), limit)
+    return banned
 
 
 def _first_host_list() -> None:
@@ -243,6 +270,7 @@ def join_group() -> Any:
     _members.comm, _members.launch_ranks = merged, list(meta["launch"])
     _members.my_id = meta["launch"][merged.Get_rank()]
     _members.next_id, _members.changes = meta["next_id"], meta["changes"]
+    _members.failures, _members.blacklist = dict(meta["failures"]), list(meta["blacklist"])
     _members.inters.append(inter)
     _members.joined = True
     hosts.Seen.version = meta["version"]
