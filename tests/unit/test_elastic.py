@@ -294,3 +294,33 @@ def test_failures_are_counted_per_listed_host_and_blacklist_at_the_limit(monkeyp
     assert elastic.recovery._count_failures(hl, ["a", "node0"], 2) == ["localhost"]
     assert members.failures == {"localhost": 2, "a": 1} and members.blacklist == ["localhost"]
     assert elastic.recovery._count_failures(hl, ["a"], 0) == []        # 0: never
+
+
+class _FakeComm:
+    """The two calls ``without_removed`` makes, for one member of a group."""
+
+    def __init__(self, rank):
+        self.rank, self.split = rank, None
+
+    def Get_rank(self):  # noqa: N802 - mpi4py's name
+        return self.rank
+
+    def Split(self, color, key):  # noqa: N802
+        self.split = (color, key)
+        return "sub"
+
+
+def test_ranks_of_a_removed_host_leave_and_the_others_split_off(monkeypatch):
+    from lightcc.common.elastic import growth
+
+    monkeypatch.setattr(growth.ulfm, "UNDEFINED", lambda: -32766)
+    hl = hosts_mod.HostList(2, (("a", 2),))
+    names = ["a", "b", "a"]
+    stay, leave = _FakeComm(2), _FakeComm(1)
+    assert growth.without_removed(stay, hl, names) == ("sub", True) and stay.split == (0, 2)
+    assert growth.without_removed(leave, hl, names) == ("sub", False)
+    assert leave.split == (-32766, 1)
+    everyone = _FakeComm(0)                         # all listed (or no list): no split
+    assert growth.without_removed(everyone, hl, ["a", "a"]) == (everyone, True)
+    assert growth.without_removed(everyone, hosts_mod.HostList(), names) == (everyone, True)
+    assert everyone.split is None
