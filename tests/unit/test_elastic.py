@@ -215,7 +215,7 @@ def test_membership_lines_one_per_change_once(tmp_path):
 
 @pytest.mark.parametrize("code,status", [(None, 0), (0, 0), (3, 3), (256 + 4, 4), ("bye", 1)])
 def test_exit_status_after_a_shrink_is_the_interpreters(code, status):
-    assert elastic.recovery._exit_status(code) == status
+    assert elastic.exiting.exit_status(code) == status
 
 
 # ---------------------------------------------------------------- growth and host lists

@@ -41,9 +41,9 @@ def init(comm: Any = None, process_sets: Sequence[ProcessSet] | None = None,
         from ..backends import mpi
 
         if comm is None:      # a process an elastic job started to grow: join the survivors
-            from ..elastic.recovery import join_group
+            from ..backends import ulfm
 
-            comm = join_group()
+            comm = ulfm.join_parent()
         base, hostnames = mpi.bootstrap(comm)
         eng = state._engine = Engine(cfg, base, hostnames)
         from ..kernels import _threads

@@ -121,3 +121,24 @@ def disconnect(inter: Any) -> None:
 def UNDEFINED() -> int:  # noqa: N802 - MPI's name
     """``MPI.UNDEFINED`` (the colour of a process that leaves a split)."""
     return _mpi().UNDEFINED
+
+
+class Joined:
+    """What a process started by ``spawn`` received when it joined (``join_parent``): the
+    intercommunicator to the survivors and their membership record; None elsewhere."""
+
+    inter: Any = None
+    comm: Any = None         # the merged communicator lightcc was initialized on
+    meta: dict | None = None
+
+
+def join_parent() -> Any:
+    """In a process started by :func:`spawn`: merge with the survivors (collective with
+    their ``spawn``), receive rank 0's record (kept in :class:`Joined`) and return the merged
+    communicator; None in a process the launcher started."""
+    inter = parent()
+    if inter is None:
+        return None
+    merged = inter.Merge(high=True)
+    Joined.inter, Joined.comm, Joined.meta = inter, merged, merged.bcast(None, root=0)
+    return merged

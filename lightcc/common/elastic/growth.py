@@ -1,8 +1,8 @@
 """Changing who is in the group at a reset beyond the shrink (docs/elastic.md): ranks on hosts
 that left lccrun's host list leave, and new processes start on listed hosts with free slots
 (``MPI_Comm_spawn`` through PRRTE, then ``MPI_Intercomm_merge``) until the group has
-``LCC_ELASTIC_MAX_NP`` ranks. A new process joins in ``init()`` (:func:`join`) and gets the
-training state from the survivors' ``state.sync()``.
+``LCC_ELASTIC_MAX_NP`` ranks. A new process joins in ``init()`` (``ulfm.join_parent``) and
+gets the training state from the survivors' ``state.sync()``.
 """
 from __future__ import annotations
 
@@ -52,7 +52,8 @@ def plan_growth(comm: Any, listed: hosts.HostList, target: int, names: list[str]
 def grow(comm: Any, plan: list[tuple[str, int, int]], meta: dict) -> tuple[Any, Any]:
     """Start the processes of ``plan`` running this program (collective over ``comm``);
     returns (merged communicator, survivors first; intercommunicator). The new processes
-    receive ``meta`` (launch numbers, host-list version, ...) from rank 0 in :func:`join`."""
+    receive ``meta`` (launch numbers, host-list version, ...) from rank 0 in
+    ``ulfm.join_parent``."""
     argv = [sys.executable, *sys.orig_argv[1:]]
     # PRRTE may still count the slots of processes that died or left: declare the listed
     # slots plus every process started so far (lightcc's plan keeps the listed limit)
@@ -60,14 +61,3 @@ def grow(comm: Any, plan: list[tuple[str, int, int]], meta: dict) -> tuple[Any, 
     inter, merged = ulfm.spawn(comm, argv, [(h, n, slots + started) for h, n, slots in plan])
     merged.bcast(meta, root=0)
     return merged, inter
-
-
-def join() -> tuple[Any, Any, dict] | None:
-    """In a process started by :func:`grow`: (merged communicator, intercommunicator to the
-    survivors, their ``meta``); None in a process the launcher started."""
-    inter = ulfm.parent()
-    if inter is None:
-        return None
-    merged = inter.Merge(high=True)
-    meta = merged.bcast(None, root=0)
-    return merged, inter, meta

@@ -10,7 +10,6 @@ watchdog ends the job if this takes longer than ``LCC_ELASTIC_TIMEOUT``.
 """
 from __future__ import annotations
 
-import atexit
 import functools
 import json
 import logging
@@ -19,7 +18,6 @@ import socket
 import sys
 import threading
 import time
-import traceback
 from typing import Any, Callable
 
 import numpy as np
@@ -30,7 +28,7 @@ from ..api import collectives, lifecycle, state as api_state
 from ..backends import ulfm
 from ..exceptions import (CollectiveError, LightCCError, MismatchError, ShutdownError,
                           StallError)
-from . import growth, hosts
+from . import exiting, growth, hosts
 from .state import HostsUpdatedInterrupt, State
 
 log = logging.getLogger("lightcc")
@@ -50,13 +48,8 @@ class _Membership:
         self.comm: Any = None            # mpi4py communicator of the current group
         self.launch_ranks: list[int] = []    # launch rank of each current rank
         self.changes = 0
-        self.exit_hooked = False
-        self.exit_code = 0               # the code of sys.exit(n) after a shrink
-        self.alive = 0                   # processes in the last shrunk communicator
         self.my_id = -1                  # this process's launch number (joiners: new ones)
         self.next_id = 0                 # the launch number the next joiner gets
-        self.inters: list[Any] = []      # intercommunicators to joiners / to the survivors
-        self.leaving = False             # this rank's host left the list: it exits
         self.joined = False              # started by a reset to grow the group
         self.started = False             # run() read the first host list
         self.failures: dict[str, int] = {}   # listed host -> ranks lost there
@@ -81,6 +74,7 @@ def is_peer_failure(exc: BaseException) -> bool:
 
 def _current() -> Any:
     """The group's communicator (the launch world until the first shrink)."""
+    _adopt_join()
     if _members.comm is None:
         eng = api_state.engine()
         world = ulfm.world()
@@ -141,8 +135,7 @@ def reset() -> dict:
                 if not ulfm.is_process_failure(exc):
                     raise
                 ulfm.revoke(old)
-        _members.alive = new.Get_size()
-        _exit_without_finalize()
+        exiting.end_without_finalize(new.Get_size())
         launch = new.allgather(_members.my_id)
         lost = sorted(set(old_launch) - set(launch))
         if cfg.elastic_reset_limit and _members.changes >= cfg.elastic_reset_limit:
@@ -162,7 +155,7 @@ def reset() -> dict:
         _members.changes += 1
         hosts.Seen.version = listed.version
         if inter is not None:
-            _members.inters.append(inter)
+            exiting.Exit.inters.append(inter)
         dropped = _readd_process_sets(sets, old_launch, launch, joined)
     finally:
         done.set()
@@ -192,7 +185,7 @@ def _change_hosts(comm: Any, cfg: config_mod.Config, start: float, lost_on: list
     before = comm.allgather(_members.my_id)
     comm, stays = growth.without_removed(comm, listed, growth.hostnames(comm))
     if not stays:
-        _members.leaving = True
+        exiting.Exit.leaving = True
         log.warning("elastic: this rank's host %s is no longer in the job's host list: it "
                     "leaves the job", socket.gethostname())
         raise SystemExit(0)
@@ -259,29 +252,22 @@ def _first_host_list() -> None:
     hosts.Seen.version = max(hosts.Seen.version, version)
 
 
-def join_group() -> Any:
-    """In a process started by a reset to grow the group (called by ``init()``): the merged
-    communicator to initialize on, after taking the survivors' membership record; None in a
-    process the launcher started."""
-    joined = growth.join()
-    if joined is None:
-        return None
-    merged, inter, meta = joined
-    _members.comm, _members.launch_ranks = merged, list(meta["launch"])
-    _members.my_id = meta["launch"][merged.Get_rank()]
+def _adopt_join() -> None:
+    """In a process that joined a running group (``init()`` merged it with the survivors):
+    take their membership record once, and at exit disconnect from them before
+    ``MPI_Finalize`` (a spawned process that skips finalize is "exiting improperly" for
+    prterun; one that finalizes while connected crashed in Open MPI 5.0.11)."""
+    meta = ulfm.Joined.meta
+    if meta is None or _members.joined:
+        return
+    _members.comm = ulfm.Joined.comm
+    _members.launch_ranks = list(meta["launch"])
+    _members.my_id = meta["launch"][ulfm.Joined.comm.Get_rank()]
     _members.next_id, _members.changes = meta["next_id"], meta["changes"]
     _members.failures, _members.blacklist = dict(meta["failures"]), list(meta["blacklist"])
-    _members.inters.append(inter)
     _members.joined = True
     hosts.Seen.version = meta["version"]
-
-    def disconnect() -> None:
-        lifecycle.shutdown()
-        for other in _members.inters:
-            ulfm.disconnect(other)
-
-    atexit.register(disconnect)     # then MPI_Finalize, unless a later shrink ends it first
-    return merged
+    exiting.disconnect_at_exit(ulfm.Joined.inter)
 
 
 def _readd_process_sets(sets: list[tuple[Any, list[int]]], old_launch: list[int],
@@ -346,60 +332,6 @@ def _report(change: dict) -> None:
         pass
 
 
-def _exit_without_finalize() -> None:
-    """After a shrink, end the process without ``MPI_Finalize``: with a dead peer, Open MPI
-    5.0's finalize fence hung in 3 of 6 runs here (docs/elastic.md). Registered once; runs
-    before mpi4py's finalize (Python's atexit handlers come first). The exit status is kept:
-    ``sys.exit(n)`` is recorded, and an uncaught exception on the last process left ends it
-    with status 1 directly (prterun with ULFM reports 0 when the last process calls
-    ``MPI_Abort``; with others left the abort still ends them)."""
-    if _members.exit_hooked:
-        return
-    _members.exit_hooked = True
-
-    def leave() -> None:
-        try:
-            lifecycle.shutdown()
-            if not _members.leaving:
-                for other in _members.inters:
-                    ulfm.disconnect(other)
-        finally:
-            for stream in (sys.stdout, sys.stderr):
-                try:
-                    stream.flush()
-                except Exception:  # noqa: BLE001 - a closed stream must not block the exit
-                    pass
-            os._exit(_members.exit_code)
-
-    original = sys.exit
-
-    def exit_recorded(code: Any = None) -> None:
-        """``sys.exit`` that remembers its code for ``leave`` (which ends the process)."""
-        _members.exit_code = _exit_status(code)
-        original(code)
-
-    sys.exit = exit_recorded
-    previous_hook = sys.excepthook
-
-    def hook(tp: type[BaseException], value: BaseException, tb: Any) -> None:
-        _members.exit_code = 130 if issubclass(tp, KeyboardInterrupt) else 1
-        if _members.alive <= 1:
-            traceback.print_exception(tp, value, tb)
-            leave()
-        previous_hook(tp, value, tb)
-
-    sys.excepthook = hook
-    atexit.register(leave)
-
-
-def _exit_status(code: Any) -> int:
-    """The status the interpreter gives ``sys.exit(code)``: None 0, an int itself, else 1
-    (it prints a message)."""
-    if code is None:
-        return 0
-    return code & 0xFF if isinstance(code, int) else 1
-
-
 def run_fn(func: Callable[..., Any], reset_fn: Callable[[], Any] = reset) -> Callable[..., Any]:
     """Horovod's ``elastic.run`` around ``reset_fn``: call ``func(state, ...)`` after
     ``state.sync()``; when a rank dies (a lost-rank error) restore the last commit, re-form
@@ -409,6 +341,7 @@ def run_fn(func: Callable[..., Any], reset_fn: Callable[[], Any] = reset) -> Cal
     @functools.wraps(func)
     def wrapper(state: State, *args: Any, **kwargs: Any) -> Any:
         check_ready()
+        _adopt_join()
         _first_host_list()
         skip_sync = False
         while True:
