@@ -248,6 +248,18 @@ KNOBS: tuple[Knob, ...] = (
     Knob("elastic_timeout", "LCC_ELASTIC_TIMEOUT", _parse_float, 600.0, "s",
          "Elastic jobs (lccrun --elastic-timeout): the longest the survivors may take to re-form "
          "the group after a rank died; past it the job ends (docs/elastic.md).", _min(0.1)),
+    Knob("elastic_max_np", "LCC_ELASTIC_MAX_NP", _parse_int, 0, "ranks",
+         "Elastic jobs (lccrun --max-np): after a reset the group grows back to this many "
+         "ranks by starting new processes on listed hosts with free slots (lccrun's host list "
+         "or discovery script). 0: never grow (docs/elastic.md).", _min(0)),
+    Knob("elastic_blacklist_after", "LCC_ELASTIC_BLACKLIST_AFTER", _parse_int, 0, "failures",
+         "Elastic jobs (lccrun --blacklist-after): a host on which this many ranks failed gets "
+         "no new ranks for the rest of the job. 0: never blacklist (docs/elastic.md).",
+         _min(0)),
+    Knob("elastic_reset_limit", "LCC_ELASTIC_RESET_LIMIT", _parse_int, 0, "resets",
+         "Elastic jobs (lccrun --reset-limit, Horovod's reset_limit): the most times the group "
+         "may be re-formed; the failure or host change that would need one more ends the job "
+         "with a message. 0: no limit (docs/elastic.md).", _min(0)),
     Knob("shutdown_timeout", "LCC_SHUTDOWN_TIMEOUT", _parse_float, 30.0, "s",
          "How long shutdown() waits for the background thread before giving up.", _min(0.0)),
 )
@@ -295,6 +307,9 @@ class Config:
     flight_dir: str
     elastic_min_np: int
     elastic_timeout: float
+    elastic_max_np: int
+    elastic_blacklist_after: int
+    elastic_reset_limit: int
     shutdown_timeout: float
 
     def replace(self, **changes: Any) -> "Config":

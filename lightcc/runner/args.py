@@ -91,6 +91,8 @@ class LaunchSpec:
     ssh_identity_file: str | None = None
     mpi_args: list[str] = field(default_factory=list)
     elastic: bool = False
+    discovery_script: str | None = None     # polled while the job runs (elastic)
+    discovery_period: float = 1.0           # seconds between polls
     verbose: bool = False
     dry_run: bool = False
 
@@ -139,15 +141,27 @@ def build_parser() -> argparse.ArgumentParser:
                     help="end the job (with a message) when fewer ranks than this survive a "
                          "failure; default 1. Env LCC_ELASTIC_MIN_NP.")
     el.add_argument("--max-np", type=int, metavar="N",
-                    help="the most ranks the job may have (-np must not exceed it; the job "
-                         "only shrinks, ranks never join)")
+                    help="grow back to N ranks at each reset, starting new processes on free "
+                         "slots of the host list (-H, the discovery script, or this machine); "
+                         "-np must not exceed it. Env LCC_ELASTIC_MAX_NP; default: never grow")
     el.add_argument("--elastic-timeout", type=float, metavar="S",
                     help="longest time the survivors may take to re-form the group after a "
                          "failure before the job ends; default 600 s. Env LCC_ELASTIC_TIMEOUT.")
+    el.add_argument("--blacklist-after", type=int, metavar="N",
+                    help="a host on which N ranks failed gets no new ranks (with --max-np); "
+                         "default 0 = never. Env LCC_ELASTIC_BLACKLIST_AFTER.")
+    el.add_argument("--reset-limit", type=int, metavar="N",
+                    help="the most times the group may be re-formed (Horovod's reset_limit); "
+                         "the failure that would need one more ends the job; default 0 = no "
+                         "limit. Env LCC_ELASTIC_RESET_LIMIT.")
     el.add_argument("--host-discovery-script", metavar="PATH",
                     help="executable printing one 'host:slots' (or 'host') a line, as for "
-                         "horovodrun; read once at launch for the hosts (later changes are not "
-                         "followed)")
+                         "horovodrun; its hosts replace -H at launch, and it is run again "
+                         "every --host-discovery-period seconds: a changed list resets every "
+                         "rank at its next commit (ranks of removed hosts leave; with "
+                         "--max-np, new ranks start on free slots)")
+    el.add_argument("--host-discovery-period", type=float, default=1.0, metavar="S",
+                    help="seconds between runs of the discovery script; default 1")
     p.add_argument("-x", dest="extra_env", action="append", default=[], metavar="NAME[=VALUE]",
                    help="also forward this environment variable (set it when =VALUE is given)")
     p.add_argument("--mpi-args", default="", metavar='"..."',
@@ -296,13 +310,18 @@ def to_spec(ns: argparse.Namespace) -> LaunchSpec:
         ssh_port=ns.ssh_port,
         ssh_identity_file=(os.path.abspath(ns.ssh_identity_file)
                            if ns.ssh_identity_file else None),
-        mpi_args=mpi_args, elastic=bool(elastic_env), verbose=ns.verbose, dry_run=ns.dry_run)
+        mpi_args=mpi_args, elastic=bool(elastic_env),
+        discovery_script=(os.path.abspath(ns.host_discovery_script)
+                          if ns.host_discovery_script else None),
+        discovery_period=ns.host_discovery_period, verbose=ns.verbose, dry_run=ns.dry_run)
 
 
 def _elastic(ns: argparse.Namespace, np_: int) -> dict[str, str]:
     """``LCC_ELASTIC_*`` for the elastic flags given (empty: not an elastic job)."""
     given = [f for f, v in (("--min-np", ns.min_np), ("--max-np", ns.max_np),
                             ("--elastic-timeout", ns.elastic_timeout),
+                            ("--reset-limit", ns.reset_limit),
+                            ("--blacklist-after", ns.blacklist_after),
                             ("--host-discovery-script", ns.host_discovery_script))
              if v is not None]
     if not given:
@@ -311,12 +330,25 @@ def _elastic(ns: argparse.Namespace, np_: int) -> dict[str, str]:
     if ns.min_np is not None and not 1 <= ns.min_np <= np_:
         raise UsageError(f"--min-np {ns.min_np}: must be between 1 and -np ({np_})")
     if ns.max_np is not None and ns.max_np < np_:
-        raise UsageError(f"--max-np {ns.max_np} is below -np {np_} (an elastic job only "
-                         f"shrinks: start it with at most --max-np ranks)")
+        raise UsageError(f"--max-np {ns.max_np} is below -np {np_} (start the job with at "
+                         f"most --max-np ranks)")
+    if ns.max_np is not None:
+        env["LCC_ELASTIC_MAX_NP"] = str(ns.max_np)
+    if not ns.host_discovery_period > 0:
+        raise UsageError(f"--host-discovery-period {_num(ns.host_discovery_period)}: must be "
+                         f"> 0 seconds")
     if ns.elastic_timeout is not None:
         if not ns.elastic_timeout > 0:
             raise UsageError(f"--elastic-timeout {ns.elastic_timeout}: must be > 0 seconds")
         env["LCC_ELASTIC_TIMEOUT"] = _num(ns.elastic_timeout)
+    if ns.blacklist_after is not None:
+        if ns.blacklist_after < 0:
+            raise UsageError(f"--blacklist-after {ns.blacklist_after}: must be >= 0 (0: never)")
+        env["LCC_ELASTIC_BLACKLIST_AFTER"] = str(ns.blacklist_after)
+    if ns.reset_limit is not None:
+        if ns.reset_limit < 0:
+            raise UsageError(f"--reset-limit {ns.reset_limit}: must be >= 0 (0: no limit)")
+        env["LCC_ELASTIC_RESET_LIMIT"] = str(ns.reset_limit)
     return env
 
 

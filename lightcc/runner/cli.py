@@ -62,10 +62,10 @@ def main(argv: list[str] | None = None) -> int:
     if mode == "dry-run":
         sys.stdout.write(dry_run_text(launch))
         return 0
-    return run(launch, verbose=spec.verbose)
+    return run(launch, verbose=spec.verbose, spec=spec)
 
 
-def run(launch: Launch, verbose: bool = False) -> int:
+def run(launch: Launch, verbose: bool = False, spec: object = None) -> int:
     """Run the job with a private status directory for the rank wrappers."""
     from .supervise import supervise
 
@@ -76,8 +76,17 @@ def run(launch: Launch, verbose: bool = False) -> int:
     env = dict(launch.env)
     env[STATUS_DIR_ENV] = status_dir
     env.setdefault("LCC_FLIGHT_DIR", os.path.join(status_dir, "flight"))
+    discovery = None
+    if getattr(spec, "elastic", False):
+        from .discovery import Discovery
+        from .hosts import Host
+
+        slots = max(spec.np, int(launch.env.get("LCC_ELASTIC_MAX_NP", "0") or 0))
+        discovery = Discovery(status_dir, spec.hosts or [Host("localhost", slots)],
+                              spec.discovery_script, spec.discovery_period)
     try:
         sys.stdout.flush()
-        return supervise(launch.argv, env, status_dir, flight_dir=env["LCC_FLIGHT_DIR"])
+        return supervise(launch.argv, env, status_dir, flight_dir=env["LCC_FLIGHT_DIR"],
+                         discovery=discovery)
     finally:
         shutil.rmtree(status_dir, ignore_errors=True)

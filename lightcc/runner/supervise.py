@@ -126,16 +126,23 @@ def membership_lines(directory: str | None, seen: set[str]) -> list[str]:
         except (OSError, ValueError):
             continue
         seen.add(path.name)
-        lost = rec.get("lost") or []
         took = f"group re-formed in {rec.get('seconds', 0):.2f} s"
-        if not lost:
+        what = [f"{verb} {_ranks(rec.get(key) or [])}" for key, verb in
+                (("lost", "lost"), ("removed", "removed (host left)"), ("joined", "joined"))
+                if rec.get(key)]
+        if not what:
             lines.append(f"lccrun: elastic: hosts updated; the same {rec.get('size')} ranks "
                          f"continue, {took}")
             continue
-        who = f"rank {lost[0]}" if len(lost) == 1 else f"ranks {', '.join(map(str, lost))}"
-        lines.append(f"lccrun: elastic: lost {who} (launch numbering); {rec.get('size')} "
-                     f"ranks continue, {took}")
+        banned = "".join(f"; host {h} blacklisted after {rec.get('failures')} failed "
+                         f"rank(s)" for h in rec.get("blacklisted") or [])
+        lines.append(f"lccrun: elastic: {', '.join(what)} (launch numbering); "
+                     f"{rec.get('size')} ranks continue, {took}{banned}")
     return lines
+
+
+def _ranks(ranks: list[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
 
 
 def _from_status(record: dict) -> Failure:
@@ -329,7 +336,8 @@ class _Tail:
 
 def supervise(argv: list[str], env: dict[str, str], status_dir: str | None,
               interrupt_grace_s: float = INTERRUPT_GRACE_S,
-              failure_grace_s: float = FAILURE_GRACE_S, flight_dir: str | None = None) -> int:
+              failure_grace_s: float = FAILURE_GRACE_S, flight_dir: str | None = None,
+              discovery=None) -> int:
     """Run ``argv``; return lccrun's exit code after printing the failure summary if any."""
     received: list[int] = []
 
@@ -364,7 +372,8 @@ def supervise(argv: list[str], env: dict[str, str], status_dir: str | None,
     changes: set[str] = set()     # elastic membership records already reported
     try:
         while True:
-            for line in membership_lines(status_dir, changes):
+            for line in membership_lines(status_dir, changes) + (
+                    discovery.poll() if discovery is not None else []):
                 print(line, file=sys.stderr, flush=True)
             try:
                 returncode = proc.wait(timeout=0.1)

@@ -59,20 +59,30 @@ def _steps(model, opt, x, y, parts: list[list[int]], count: int | None) -> int:
     return done
 
 
-def _reference(kill_at: int | None, ranks: int = 3) -> dict:
+def _reference(kill_at: int | None, ranks: int = 3, after: int | None = None) -> dict:
+    """Uninterrupted on ``ranks``, or: killed at step ``kill_at`` of epoch 0, so resumed from
+    its last commit on ``after`` ranks (default ``ranks - 1``)."""
+    if kill_at is None:
+        return _replay(ranks, 0, None, ranks)
+    return _replay(ranks, 0, (kill_at // COMMIT) * COMMIT, ranks - 1 if after is None else after)
+
+
+def _replay(ranks: int, epoch: int, batch: int | None, new_ranks: int) -> dict:
+    """SGD on ``ranks`` until the commit at (``epoch``, ``batch`` steps), then on
+    ``new_ranks``: the rest of that epoch's unprocessed samples re-partitioned, then the
+    following epochs (batch None: no change)."""
     torch.manual_seed(0)
     model = torch.nn.Linear(DIM, 1)
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
     x, y = _data()
-    if kill_at is None:
-        for epoch in range(EPOCHS):
-            _steps(model, opt, x, y, _partition(epoch, 0, ranks), None)
-        return model.state_dict()
-    committed = (kill_at // COMMIT) * COMMIT        # steps of epoch 0 in the last commit
-    _steps(model, opt, x, y, _partition(0, 0, ranks), committed)
-    _steps(model, opt, x, y, _partition(0, committed * BATCH * ranks, ranks - 1), None)
-    for epoch in range(1, EPOCHS):
-        _steps(model, opt, x, y, _partition(epoch, 0, ranks - 1), None)
+    for e in range(EPOCHS):
+        if batch is None or e < epoch:
+            _steps(model, opt, x, y, _partition(e, 0, ranks), None)
+        elif e == epoch:
+            _steps(model, opt, x, y, _partition(e, 0, ranks), batch)
+            _steps(model, opt, x, y, _partition(e, batch * BATCH * ranks, new_ranks), None)
+        else:
+            _steps(model, opt, x, y, _partition(e, 0, new_ranks), None)
     return model.state_dict()
 
 
@@ -85,11 +95,11 @@ def test_reference_depends_on_the_failure():
         _reference(7)["weight"], b["weight"], atol=1e-4)
 
 
-def _run(tmp_path, victim: int, kill_at: int, min_np: int):
+def _run(tmp_path, victim: int, kill_at: int, min_np: int, flags=(), extra=(), env=None):
     out = tmp_path / "params.pt"
     proc, _ = _lccrun(["-np", "3", "--min-np", str(min_np), "--elastic-timeout", "120",
-                       sys.executable, str(WORKER), str(out), str(victim), str(kill_at)],
-                      _lccrun_env())
+                       *flags, sys.executable, str(WORKER), str(out), str(victim),
+                       str(kill_at), *extra], {**_lccrun_env(), **(env or {})})
     rc, stdout, stderr = _finish(proc, 400)
     return rc, stdout, stderr, out
 
@@ -112,6 +122,128 @@ def test_survivors_of_kill_9_resume_from_the_last_commit(tmp_path, victim, kill_
     for name in ("weight", "bias"):
         assert torch.allclose(got[name], want[name], rtol=1e-5, atol=1e-6), \
             (name, got[name], want[name])
+
+
+def _check_params(params, want) -> None:
+    got = torch.load(params)
+    for name in ("weight", "bias"):
+        assert torch.allclose(got[name], want[name], rtol=1e-5, atol=1e-6), \
+            (name, got[name], want[name])
+
+
+@needs_lccrun
+@pytest.mark.timeout(480)
+def test_a_replacement_joins_after_a_kill_up_to_max_np(tmp_path):
+    """``--max-np 3``: after rank 2 dies the survivors start a new process on the free slot
+    of this machine (MPI_Comm_spawn); it joins with launch number 3 and the state of the last
+    commit, and the job finishes on 3 ranks: the reference is 3 ranks throughout, with the
+    epoch's unprocessed samples re-partitioned at the commit the job rolled back to."""
+    rc, out, err, params = _run(tmp_path, 2, 5, 2, flags=["--max-np", "3"])
+    assert rc == 0, f"{out[-3000:]}\n{err[-5000:]}"
+    assert "lccrun: elastic: lost rank 2, joined rank 3 (launch numbering); 3 ranks continue" \
+        in err, err
+    assert "DONE size 3 resets 1" in out, out
+    kill = float(re.search(r"KILL (\d+\.\d+)", out).group(1))
+    first = float(re.search(r"FIRST_STEP (\d+\.\d+) size 3", out).group(1))
+    print(f"\nrecovery with a replacement (kill -> first step on 3 ranks): {first - kill:.3f} s;"
+          f" {re.search(r're-formed in [0-9.]+ s', err).group(0)}")
+    want = _reference(5, 3, after=3)
+    assert not torch.allclose(want["weight"], _reference(5)["weight"], atol=1e-4)
+    _check_params(params, want)
+
+
+@needs_lccrun
+@pytest.mark.timeout(480)
+def test_a_blacklisted_host_gets_no_replacement(tmp_path):
+    """The same kill with ``--blacklist-after 1``: this machine (``localhost`` in the host
+    list) is blacklisted by the failure, no process is started, and the job finishes on the
+    2 survivors (the reference of the plain shrink)."""
+    rc, out, err, params = _run(tmp_path, 2, 5, 2, flags=["--max-np", "3",
+                                                          "--blacklist-after", "1"])
+    assert rc == 0, f"{out[-3000:]}\n{err[-5000:]}"
+    assert ("lccrun: elastic: lost rank 2 (launch numbering); 2 ranks continue, group "
+            "re-formed in") in err and "; host localhost blacklisted after 1 failed rank(s)" \
+        in err, err
+    assert "DONE size 2 resets 1" in out, out
+    _check_params(params, _reference(5))
+
+
+@needs_lccrun
+@pytest.mark.timeout(480)
+def test_a_host_added_by_the_discovery_script_grows_the_job(tmp_path):
+    """-np 2 --max-np 3 with a discovery script printing ``localhost:2``; at step 4 rank 0
+    makes it print ``localhost:3``: lccrun publishes the new list, every rank raises
+    HostsUpdatedInterrupt at the same commit, one process is started and joins, and training
+    goes on on 3 ranks from that commit (no rollback). The reference replays 2 ranks up to
+    the commit the job reported, then 3."""
+    hosts_file = tmp_path / "hosts.txt"
+    hosts_file.write_text("localhost:2\n")
+    script = tmp_path / "discover.sh"
+    script.write_text(f"#!/bin/sh\ncat {hosts_file}\n")
+    script.chmod(0o755)
+    out_pt = tmp_path / "params.pt"
+    proc, _ = _lccrun(["--min-np", "2", "--max-np", "3", "--elastic-timeout", "120",
+                       "--host-discovery-script", str(script), "--host-discovery-period",
+                       "0.3", sys.executable, str(WORKER), str(out_pt), "-1", "0", "4",
+                       "localhost:3"], {**_lccrun_env(), "LCC_TEST_HOSTS_FILE": str(hosts_file)})
+    rc, out, err = _finish(proc, 400)
+    assert rc == 0, f"{out[-3000:]}\n{err[-5000:]}"
+    assert "lccrun: elastic: hosts changed (localhost 2->3 slots)" in err, err
+    assert "lccrun: elastic: joined rank 2 (launch numbering); 3 ranks continue" in err, err
+    assert "DONE size 3 resets 1" in out, out
+    epoch, batch, size = map(int, re.search(r"RESET (\d+) (\d+) (\d+)", out).groups())
+    assert size == 3 and batch % COMMIT == 0 and (epoch, batch) >= (0, 4), out
+    want = _replay(2, epoch, batch, 3)
+    assert not torch.allclose(want["weight"], _replay(2, 0, None, 2)["weight"], atol=1e-4)
+    _check_params(out_pt, want)
+
+
+@needs_lccrun
+@pytest.mark.timeout(480)
+@pytest.mark.parametrize("comes_back", [True, False])
+def test_below_min_np_the_survivors_wait_for_hosts(tmp_path, comes_back):
+    """-np 3 --min-np 3 --max-np 3; at step 1 the discovery script's list drops to
+    ``localhost:2`` (a host change: every rank re-forms at the next commit, nobody leaves),
+    then rank 2 dies at step 5: 2 ranks and no free slot, so the survivors wait. When the
+    list offers a third slot again (3 s after the death) a replacement joins and the job
+    finishes on 3 ranks; when it never does, the job ends after --elastic-timeout (10 s)
+    with a message naming the counts - on every survivor, no hang (horovod#3494)."""
+    import threading
+    import time
+
+    hosts_file, mark = tmp_path / "hosts.txt", tmp_path / "killed"
+    hosts_file.write_text("localhost:3\n")
+    script = tmp_path / "discover.sh"
+    script.write_text(f"#!/bin/sh\ncat {hosts_file}\n")
+    script.chmod(0o755)
+
+    def bring_back() -> None:
+        while not mark.exists():
+            time.sleep(0.2)
+        time.sleep(3.0)
+        hosts_file.write_text("localhost:3\n")
+
+    if comes_back:
+        threading.Thread(target=bring_back, daemon=True).start()
+    out_pt = tmp_path / "params.pt"
+    proc, _ = _lccrun(["--min-np", "3", "--max-np", "3", "--elastic-timeout", "10",
+                       "--host-discovery-script", str(script), "--host-discovery-period",
+                       "0.3", sys.executable, str(WORKER), str(out_pt), "2", "5", "1",
+                       "localhost:2"], {**_lccrun_env(), "LCC_TEST_HOSTS_FILE": str(hosts_file),
+                                        "LCC_TEST_KILL_MARK": str(mark)})
+    rc, out, err = _finish(proc, 400)
+    assert "fewer than the minimum of 3: waiting up to 10 s for hosts" in err + out, err
+    if comes_back:
+        assert rc == 0, f"{out[-3000:]}\n{err[-5000:]}"
+        assert "lccrun: elastic: lost rank 2, joined rank 3 (launch numbering); 3 ranks " \
+            "continue" in err, err
+        assert "DONE size 3 resets 2" in out, out
+    else:
+        assert rc != 0 and "DONE" not in out
+        last = err.strip().splitlines()[-1]
+        assert ("2 rank(s) left, fewer than the minimum of 3 (--min-np / LCC_ELASTIC_MIN_NP); "
+                "waited") in last and "more slot(s), it offers 0: ending the job" in last, \
+            err[-4000:]
 
 
 @needs_lccrun
@@ -182,3 +314,46 @@ def test_rank_killed_inside_a_large_allreduce(overlap, delay):
     assert "elastic: lost launch rank(s) 1; continuing with 2 ranks" in out, out
     for rank in (0, 2):
         assert f"launch {rank}: done size 2 step 60" in out, out
+
+
+GAPS = str(WORKER.parent / "gaps_numpy.py")
+
+
+@pytest.mark.parametrize("victim,kept,renumbered,gone", [(2, "a", [0, 1], "b"),
+                                                         (0, "b", [0, 1], "a")])
+def test_process_sets_and_exit_code_after_a_shrink(victim, kept, renumbered, gone):
+    """Process sets [0, 1] and [1, 2]: the one whose members survived works on the new
+    group, renumbered; the other says which launch rank it lost. ``sys.exit(3)`` after the
+    shrink is the job's exit code under plain mpirun (it was 0: the process ends without
+    MPI_Finalize)."""
+    from tests.mpi_harness import run_mpi
+
+    out = run_mpi(3, ["--with-ft", "ulfm", sys.executable, GAPS, f"{victim}@4", "3"],
+                  timeout=240, expect_rc=3).stdout
+    survivors = [r for r in range(3) if r != victim]
+    for r in survivors:
+        assert f"launch {r}: set {kept} ranks {renumbered} size 2" in out, out
+        assert (f"launch {r}: set {gone} error: process set {[0, 1] if gone == 'a' else [1, 2]}"
+                f" was removed when the elastic group was re-formed: it lost launch rank(s) "
+                f"{victim}") in out, out
+        assert f"launch {r}: done size 2 step 12" in out, out
+
+
+@pytest.mark.parametrize("limit", ["1", "0"])
+def test_reset_limit_ends_the_job_at_the_reset_past_it(limit):
+    """Two failures (launch rank 2 at step 4, rank 1 at step 8): with LCC_ELASTIC_RESET_LIMIT=1
+    the second one ends the job with the message (exit status 1 from the last process left);
+    with 0 (no limit) rank 0 finishes alone."""
+    from tests.mpi_harness import run_mpi
+
+    out = run_mpi(3, ["--with-ft", "ulfm", "-x", "LCC_ELASTIC_RESET_LIMIT", sys.executable,
+                      GAPS, "2@4,1@8", "0"], env={"LCC_ELASTIC_RESET_LIMIT": limit},
+                  timeout=240, expect_rc=None)
+    if limit == "1":
+        assert out.returncode == 1, out.stdout
+        assert ("ElasticError: elastic: the group was already re-formed 1 time(s), the limit "
+                "(--reset-limit / LCC_ELASTIC_RESET_LIMIT 1): ending the job") in out.stdout
+        assert "done" not in out.stdout
+    else:
+        assert out.returncode == 0, out.stdout
+        assert "launch 0: done size 1 step 12" in out.stdout, out.stdout

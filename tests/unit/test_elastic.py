@@ -157,6 +157,9 @@ def test_elastic_flags_launch_with_fault_tolerance():
     i = launch.argv.index("--with-ft")
     assert launch.argv[i + 1] == "ulfm"
     assert launch.env["LCC_ELASTIC_MIN_NP"] == "2" and launch.env["LCC_ELASTIC_TIMEOUT"] == "30"
+    assert "LCC_ELASTIC_RESET_LIMIT" not in launch.env
+    _, launch = _build(["-np", "3", "--reset-limit", "2", "python", "t.py"])
+    assert launch.env["LCC_ELASTIC_RESET_LIMIT"] == "2" and "--with-ft" in launch.argv
 
 
 def test_without_elastic_flags_nothing_changes():
@@ -169,7 +172,11 @@ def test_without_elastic_flags_nothing_changes():
     (["-np", "3", "--min-np", "4"], "--min-np 4: must be between 1 and -np (3)"),
     (["-np", "3", "--min-np", "0"], "--min-np 0"),
     (["-np", "3", "--max-np", "2"], "--max-np 2 is below -np 3"),
+    (["-np", "3", "--min-np", "2", "--host-discovery-period", "0"],
+     "--host-discovery-period 0: must be > 0"),
     (["-np", "3", "--elastic-timeout", "0"], "--elastic-timeout 0"),
+    (["-np", "3", "--reset-limit", "-1"], "--reset-limit -1: must be >= 0"),
+    (["-np", "3", "--blacklist-after", "-2"], "--blacklist-after -2: must be >= 0"),
     (["-H", "a:2", "--host-discovery-script", "/bin/true"], "not both"),
     (["--host-discovery-script", "/nonexistent/x"], "not an executable file"),
 ])
@@ -204,3 +211,116 @@ def test_membership_lines_one_per_change_once(tmp_path):
     (tmp_path / "elastic-3.json").write_text(json.dumps({"size": 1, "lost": [], "seconds": 0.2}))
     assert supervise.membership_lines(str(tmp_path), seen) == [
         "lccrun: elastic: hosts updated; the same 1 ranks continue, group re-formed in 0.20 s"]
+
+
+@pytest.mark.parametrize("code,status", [(None, 0), (0, 0), (3, 3), (256 + 4, 4), ("bye", 1)])
+def test_exit_status_after_a_shrink_is_the_interpreters(code, status):
+    assert elastic.exiting.exit_status(code) == status
+
+
+# ---------------------------------------------------------------- growth and host lists
+from lightcc.common.elastic import hosts as hosts_mod  # noqa: E402
+from lightcc.runner.discovery import Discovery, describe  # noqa: E402
+from lightcc.runner.hosts import Host  # noqa: E402
+
+
+def test_free_slots_fill_listed_hosts_in_order_up_to_the_target():
+    hl = hosts_mod.HostList(3, (("a", 2), ("b", 2), ("c", 4)), launcher="a")
+    # ranks on a (2) and b (1): b has 1 free slot, c 4; target 5 needs 2 more
+    assert hl.free_slots(["a", "a", "b"], 5) == [("b", 1, 2), ("c", 1, 4)]
+    assert hl.free_slots(["a", "a", "b"], 3) == []
+    assert hl.free_slots(["a.example.com"], 2) == [("a", 1, 2)]   # short names match
+    assert hl.free_slots(["a", "a", "b"], 5, excluded=["b"]) == [("c", 2, 4)]   # blacklisted
+
+
+def test_localhost_entries_belong_to_the_launchers_machine():
+    hl = hosts_mod.HostList(1, (("localhost", 3),), launcher="node7")
+    assert hl.owner("node7") == "localhost" and hl.owner("node8") is None
+    assert hl.free_slots(["node7", "node7"], 3) == [("localhost", 1, 3)]
+
+
+def test_host_list_file_round_trip_and_missing(tmp_path):
+    assert hosts_mod.read(str(tmp_path)).version == 0
+    hosts_mod.write(str(tmp_path), 4, [("a", 2), ("b", 1)])
+    hl = hosts_mod.read(str(tmp_path))
+    assert hl.version == 4 and hl.hosts == (("a", 2), ("b", 1))
+    assert hosts_mod.published(str(tmp_path)) == 4 and hosts_mod.published(None) == 0
+
+
+def test_discovery_publishes_a_new_version_only_when_the_list_changes(tmp_path, capsys):
+    listing = tmp_path / "hosts.txt"
+    listing.write_text("a:2\n")
+    script = tmp_path / "discover.sh"
+    script.write_text(f"#!/bin/sh\ncat {listing}\n")
+    script.chmod(0o755)
+    d = Discovery(str(tmp_path), [Host("a", 2)], str(script), period=10.0)
+    assert hosts_mod.read(str(tmp_path)).version == 1
+    assert d.poll(now=0.0) == []                       # not due yet
+    assert d.poll(now=1e9) == [] and hosts_mod.read(str(tmp_path)).version == 1   # same list
+    listing.write_text("a:2\nb:4\n")
+    assert d.poll(now=2e9) == ["lccrun: elastic: hosts changed (+b:4); the ranks re-form the "
+                               "group at their next commit"]
+    assert hosts_mod.read(str(tmp_path)).hosts == (("a", 2), ("b", 4))
+    listing.write_text("")                             # prints nothing: keep the last list
+    assert d.poll(now=3e9) == [] and hosts_mod.read(str(tmp_path)).version == 2
+    assert "keeping the last host list" in capsys.readouterr().err
+
+
+def test_describe_a_host_change():
+    assert describe([("a", 2), ("b", 2)], [("a", 3), ("c", 1)]) == "+c:1, -b, a 2->3 slots"
+
+
+def test_membership_line_names_joined_and_removed_ranks(tmp_path):
+    (tmp_path / "elastic-1.json").write_text(json.dumps(
+        {"size": 3, "lost": [2], "joined": [3], "seconds": 2.5}))
+    (tmp_path / "elastic-2.json").write_text(json.dumps(
+        {"size": 2, "lost": [], "removed": [0, 1], "joined": [4, 5], "seconds": 1.0}))
+    (tmp_path / "elastic-3.json").write_text(json.dumps(
+        {"size": 2, "lost": [4], "blacklisted": ["b"], "failures": 2, "seconds": 0.1}))
+    assert supervise.membership_lines(str(tmp_path), set()) == [
+        "lccrun: elastic: lost rank 2, joined rank 3 (launch numbering); 3 ranks continue, "
+        "group re-formed in 2.50 s",
+        "lccrun: elastic: removed (host left) ranks 0, 1, joined ranks 4, 5 (launch "
+        "numbering); 2 ranks continue, group re-formed in 1.00 s",
+        "lccrun: elastic: lost rank 4 (launch numbering); 2 ranks continue, group re-formed "
+        "in 0.10 s; host b blacklisted after 2 failed rank(s)"]
+
+
+def test_failures_are_counted_per_listed_host_and_blacklist_at_the_limit(monkeypatch):
+    members = elastic.recovery._Membership()
+    monkeypatch.setattr(elastic.recovery, "_members", members)
+    hl = hosts_mod.HostList(1, (("a", 2), ("localhost", 2)), launcher="node0")
+    assert elastic.recovery._count_failures(hl, ["node0"], 2) == []
+    assert elastic.recovery._count_failures(hl, ["a", "node0"], 2) == ["localhost"]
+    assert members.failures == {"localhost": 2, "a": 1} and members.blacklist == ["localhost"]
+    assert elastic.recovery._count_failures(hl, ["a"], 0) == []        # 0: never
+
+
+class _FakeComm:
+    """The two calls ``without_removed`` makes, for one member of a group."""
+
+    def __init__(self, rank):
+        self.rank, self.split = rank, None
+
+    def Get_rank(self):  # noqa: N802 - mpi4py's name
+        return self.rank
+
+    def Split(self, color, key):  # noqa: N802
+        self.split = (color, key)
+        return "sub"
+
+
+def test_ranks_of_a_removed_host_leave_and_the_others_split_off(monkeypatch):
+    from lightcc.common.elastic import growth
+
+    monkeypatch.setattr(growth.ulfm, "UNDEFINED", lambda: -32766)
+    hl = hosts_mod.HostList(2, (("a", 2),))
+    names = ["a", "b", "a"]
+    stay, leave = _FakeComm(2), _FakeComm(1)
+    assert growth.without_removed(stay, hl, names) == ("sub", True) and stay.split == (0, 2)
+    assert growth.without_removed(leave, hl, names) == ("sub", False)
+    assert leave.split == (-32766, 1)
+    everyone = _FakeComm(0)                         # all listed (or no list): no split
+    assert growth.without_removed(everyone, hl, ["a", "a"]) == (everyone, True)
+    assert growth.without_removed(everyone, hosts_mod.HostList(), names) == (everyone, True)
+    assert everyone.split is None

@@ -21,7 +21,7 @@ def _pset_id(process_set: Any) -> int:
         return 0
     if isinstance(process_set, ProcessSet):
         if process_set.process_set_id is None:
-            raise InvalidArgumentError("process set was not added with add_process_set()")
+            raise process_set.not_added()
         return process_set.process_set_id
     if isinstance(process_set, int):
         return process_set

@@ -40,6 +40,10 @@ def init(comm: Any = None, process_sets: Sequence[ProcessSet] | None = None,
         mca.apply(cfg.num_links, cfg.mpi_idle_sleep_us)
         from ..backends import mpi
 
+        if comm is None:      # a process an elastic job started to grow: join the survivors
+            from ..backends import ulfm
+
+            comm = ulfm.join_parent()
         base, hostnames = mpi.bootstrap(comm)
         eng = state._engine = Engine(cfg, base, hostnames)
         from ..kernels import _threads

@@ -36,12 +36,17 @@ class ProcessSet:
     def __init__(self, ranks: Sequence[int] | None = None) -> None:
         self.ranks: list[int] | None = None if ranks is None else sorted(int(r) for r in ranks)
         self.process_set_id: int | None = None
+        self.removed_because = ""     # why it is no longer added (set by elastic resets)
+
+    def not_added(self) -> InvalidArgumentError:
+        """The error for using this set while it is not added (says why, when known)."""
+        return InvalidArgumentError(self.removed_because or "this ProcessSet has not been "
+                                    "added; call add_process_set() on every rank first")
 
     def _require(self) -> tuple[Engine, int]:
         eng = _get()
         if self.process_set_id is None:
-            raise InvalidArgumentError("this ProcessSet has not been added; call "
-                                       "add_process_set() on every rank first")
+            raise self.not_added()
         return eng, self.process_set_id
 
     def size(self) -> int:

@@ -73,3 +73,72 @@ def is_process_failure(exc: BaseException | None) -> bool:
 def abort(code: int) -> None:
     """``MPI_Abort`` on the launch world: prterun ends every remaining rank."""
     _mpi().COMM_WORLD.Abort(code)
+
+
+def parent() -> Any:
+    """The intercommunicator to the processes that spawned this one (None when launched)."""
+    MPI = _mpi()
+    inter = MPI.Comm.Get_parent()
+    return None if inter == MPI.COMM_NULL else inter
+
+
+def spawn(comm: Any, argv: list[str], hosts: list[tuple[str, int, int]]) -> tuple[Any, Any]:
+    """Start new processes running ``argv`` (collective over ``comm``; rank 0's arguments
+    count): ``hosts`` lists (host, new processes there, slots to declare for it). Returns
+    (intercommunicator, merged intracommunicator with ``comm``'s members first).
+
+    Each host is declared to PRRTE with ``PMIX_ADD_HOST`` (``host:slots``), so a host that
+    was not in the launch allocation, or more slots on one that was, can be used."""
+    MPI = _mpi()
+    n = sum(count for _, count, _ in hosts)
+    infos = []
+    for host, count, slots in hosts:
+        info = MPI.Info.Create()
+        info.Set("PMIX_ADD_HOST", f"{host}:{slots}")
+        info.Set("host", host)
+        infos.append((count, info))
+    if comm.Get_rank() == 0 and len(infos) > 1:
+        inter = comm.Spawn_multiple([argv[0]] * len(infos), [argv[1:]] * len(infos),
+                                    [c for c, _ in infos], [i for _, i in infos], root=0)
+    elif len(infos) > 1:
+        inter = comm.Spawn_multiple(None, None, None, None, root=0)
+    else:
+        inter = comm.Spawn(argv[0], argv[1:], maxprocs=n, info=infos[0][1], root=0)
+    for _, info in infos:
+        info.Free()
+    return inter, inter.Merge(high=False)
+
+
+def disconnect(inter: Any) -> None:
+    """Disconnect from the processes at the other end of ``inter`` (collective with them), so
+    that each side's ``MPI_Finalize`` is its own. Never raises."""
+    try:
+        inter.Disconnect()
+    except Exception:  # noqa: BLE001 - a dead peer: nothing left to disconnect from
+        pass
+
+
+def UNDEFINED() -> int:  # noqa: N802 - MPI's name
+    """``MPI.UNDEFINED`` (the colour of a process that leaves a split)."""
+    return _mpi().UNDEFINED
+
+
+class Joined:
+    """What a process started by ``spawn`` received when it joined (``join_parent``): the
+    intercommunicator to the survivors and their membership record; None elsewhere."""
+
+    inter: Any = None
+    comm: Any = None         # the merged communicator lightcc was initialized on
+    meta: dict | None = None
+
+
+def join_parent() -> Any:
+    """In a process started by :func:`spawn`: merge with the survivors (collective with
+    their ``spawn``), receive rank 0's record (kept in :class:`Joined`) and return the merged
+    communicator; None in a process the launcher started."""
+    inter = parent()
+    if inter is None:
+        return None
+    merged = inter.Merge(high=True)
+    Joined.inter, Joined.comm, Joined.meta = inter, merged, merged.bcast(None, root=0)
+    return merged

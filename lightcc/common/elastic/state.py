@@ -8,12 +8,17 @@ every rank rank 0's copy (after the group was re-formed). The torch layer
 from __future__ import annotations
 
 import copy
+import os
 import pickle
 from typing import Any, Callable
 
 import numpy as np
 
+from ... import _exit
 from ..api import collectives, state as api_state
+from . import hosts
+
+STATUS_DIR_ENV = _exit.STATUS_DIR_ENV       # lccrun's status directory (hosts.json)
 
 
 class HostsUpdatedInterrupt(RuntimeError):
@@ -77,18 +82,21 @@ class State:
 
     def check_host_updates(self) -> None:
         """Raise :class:`HostsUpdatedInterrupt` on every rank, at the same commit, when any
-        rank was told of a host change (:meth:`on_hosts_updated`) since the last check.
+        rank was told of a host change since the last check: a notice posted with
+        :meth:`on_hosts_updated`, or a new host list published by lccrun (polling
+        ``--host-discovery-script``; docs/elastic.md).
 
-        One small max-allreduce of the latest notice time (Horovod broadcasts rank 0's, so a
-        notice seen only by another rank was lost). lightcc re-forms the group itself only
-        when a rank dies (shrink in place; docs/elastic.md): nothing posts notices unless the
-        program does."""
-        latest = max([self._last_updated, *self._host_updates])
+        One small max-allreduce of (new notice on this rank, newest host-list version seen),
+        so that every rank decides alike, even one that joined since (Horovod broadcasts rank
+        0's notices, so a notice seen only by another rank was lost)."""
+        fresh = any(t > self._last_updated for t in self._host_updates)
+        self._last_updated = max([self._last_updated, *self._host_updates])
         self._host_updates.clear()
+        version = hosts.published(os.environ.get(STATUS_DIR_ENV))
         if api_state.is_initialized() and api_state.size() > 1:
-            latest = float(collectives.allreduce(np.array([latest]), op=api_state.Max)[0])
-        previous, self._last_updated = self._last_updated, latest
-        if latest > previous:
+            fresh, version = collectives.allreduce(np.array([float(fresh), float(version)]),
+                                                   op=api_state.Max)
+        if fresh or version > hosts.Seen.version:
             raise HostsUpdatedInterrupt(skip_sync=False)
 
     def save(self) -> None:

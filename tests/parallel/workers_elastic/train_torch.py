@@ -4,7 +4,13 @@ KILL_AT (before its backward). Commits every COMMIT steps and at each epoch's en
 of the final group saves the parameters to OUT (.pt), and prints when the first step on the
 new group finished (FIRST_STEP <unix time>); the victim prints KILL <unix time> before dying.
 
-Usage: train_torch.py OUT VICTIM KILL_AT   (VICTIM -1: nobody dies)
+With GROW_AT, rank 0 rewrites the host list that lccrun's discovery script prints
+($LCC_TEST_HOSTS_FILE) to NEW_HOSTS at epoch 0, step GROW_AT, and every rank waits 3 s there
+so that lccrun publishes it before the next commit. The victim creates the file
+$LCC_TEST_KILL_MARK (when set) just before it dies. Rank 0 prints RESET <epoch> <batch> <size>
+after each reset (where training goes on from).
+
+Usage: train_torch.py OUT VICTIM KILL_AT [GROW_AT NEW_HOSTS]   (VICTIM -1: nobody dies)
 """
 import os
 import sys
@@ -18,6 +24,7 @@ import lightcc.torch as lcc
 
 def main() -> None:
     out, victim, kill_at = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    grow_at = int(sys.argv[4]) if len(sys.argv) > 4 else -1
     launch_rank = int(os.environ.get("OMPI_COMM_WORLD_RANK", "0"))
     lcc.init()
     torch.manual_seed(0)
@@ -30,7 +37,13 @@ def main() -> None:
     sampler = lcc.elastic.ElasticSampler(range(N), shuffle=True, seed=SEED)
     state = lcc.elastic.TorchState(model, opt, sampler=sampler, epoch=0, batch=0)
     resets = []
-    state.register_reset_callbacks([lambda: resets.append(time.time())])
+
+    def on_reset():
+        resets.append(time.time())
+        if lcc.rank() == 0:
+            print(f"RESET {state.epoch} {state.batch} {lcc.size()}", flush=True)
+
+    state.register_reset_callbacks([on_reset])
     reported = []
 
     @lcc.elastic.run
@@ -40,7 +53,14 @@ def main() -> None:
             for i in range(0, len(mine), BATCH):
                 if launch_rank == victim and state.epoch == 0 and state.batch == kill_at:
                     print(f"KILL {time.time():.6f}", flush=True)
+                    if os.environ.get("LCC_TEST_KILL_MARK"):
+                        open(os.environ["LCC_TEST_KILL_MARK"], "w").close()
                     os.kill(os.getpid(), 9)
+                if state.epoch == 0 and state.batch == grow_at:
+                    if lcc.rank() == 0:
+                        with open(os.environ["LCC_TEST_HOSTS_FILE"], "w") as f:
+                            f.write(sys.argv[5].replace(",", "\n") + "\n")
+                    time.sleep(3)
                 idx = mine[i:i + BATCH]
                 opt.zero_grad()
                 loss = torch.nn.functional.mse_loss(state.model(x[idx]), y[idx])

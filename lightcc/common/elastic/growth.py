@@ -1,0 +1,63 @@
+"""Changing who is in the group at a reset beyond the shrink (docs/elastic.md): ranks on hosts
+that left lccrun's host list leave, and new processes start on listed hosts with free slots
+(``MPI_Comm_spawn`` through PRRTE, then ``MPI_Intercomm_merge``) until the group has
+``LCC_ELASTIC_MAX_NP`` ranks. A new process joins in ``init()`` (``ulfm.join_parent``) and
+gets the training state from the survivors' ``state.sync()``.
+"""
+from __future__ import annotations
+
+import logging
+import socket
+import sys
+from typing import Any
+
+from ..backends import ulfm
+from . import hosts
+
+log = logging.getLogger("lightcc")
+
+
+def agree_hosts(comm: Any, directory: str | None) -> hosts.HostList:
+    """The newest host list any member can read (collective over ``comm``)."""
+    seen = comm.allgather(hosts.read(directory))
+    return max(seen, key=lambda h: h.version)
+
+
+def hostnames(comm: Any) -> list[str]:
+    """Every member's host name, in rank order (collective)."""
+    return comm.allgather(socket.gethostname())
+
+
+def without_removed(comm: Any, listed: hosts.HostList, names: list[str]) -> tuple[Any, bool]:
+    """``comm`` without the members whose host is no longer listed, and whether this process
+    stays (collective over ``comm``). With no list published, everybody stays."""
+    stay = [listed.version == 0 or listed.owner(n) is not None for n in names]
+    if all(stay):
+        return comm, True
+    me = comm.Get_rank()
+    sub = comm.Split(0 if stay[me] else ulfm.UNDEFINED(), me)
+    return sub, stay[me]
+
+
+def plan_growth(comm: Any, listed: hosts.HostList, target: int, names: list[str],
+                excluded: list[str] = ()) -> list[tuple[str, int, int]]:
+    """Rank 0's plan, on every member: ``[(host, new processes, slots), ...]`` that brings
+    the group (on host ``names``) to at most ``target`` ranks on free listed slots, none on
+    the ``excluded`` (blacklisted) hosts."""
+    plan = (listed.free_slots(names, target, excluded)
+            if listed.version and target > len(names) else [])
+    return comm.bcast(plan, root=0)
+
+
+def grow(comm: Any, plan: list[tuple[str, int, int]], meta: dict) -> tuple[Any, Any]:
+    """Start the processes of ``plan`` running this program (collective over ``comm``);
+    returns (merged communicator, survivors first; intercommunicator). The new processes
+    receive ``meta`` (launch numbers, host-list version, ...) from rank 0 in
+    ``ulfm.join_parent``."""
+    argv = [sys.executable, *sys.orig_argv[1:]]
+    # PRRTE may still count the slots of processes that died or left: declare the listed
+    # slots plus every process started so far (lightcc's plan keeps the listed limit)
+    started = meta["next_id"]
+    inter, merged = ulfm.spawn(comm, argv, [(h, n, slots + started) for h, n, slots in plan])
+    merged.bcast(meta, root=0)
+    return merged, inter

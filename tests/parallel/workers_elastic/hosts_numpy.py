@@ -1,0 +1,61 @@
+"""A host leaves and comes back (the 2-simulated-host test, tests/netns/test_netns_elastic.py),
+on the NumPy core: the test plays lccrun and publishes host lists in $LCC_RUNNER_STATUS_DIR;
+here launch rank 0 publishes list 2 (only HOST0) at step LEAVE and list 3 (both hosts) at step
+BACK, each followed by a 2 s pause so every rank sees it before the next commit. The ranks of
+HOST1 leave at the first reset; at the second, new ones start there and join. Every step
+checks a Sum against the group's size; rank 0 of the final group prints the weights of a
+least-squares descent whose sample order depends on the group size (as train_numpy.py).
+
+Usage: hosts_numpy.py HOST0:SLOTS HOST1:SLOTS LEAVE BACK
+"""
+import os
+import sys
+import time
+
+import numpy as np
+
+import lightcc as lcc
+from lightcc.common import elastic
+from lightcc.common.elastic import hosts
+
+N, DIM, STEPS, COMMIT, LR = 16, 4, 24, 2, 0.1
+
+
+def main() -> None:
+    first, second = (h.split(":") for h in sys.argv[1:3])
+    leave, back = int(sys.argv[3]), int(sys.argv[4])
+    directory = os.environ["LCC_RUNNER_STATUS_DIR"]
+    rng = np.random.default_rng(5)
+    x, y = rng.standard_normal((N, DIM)), rng.standard_normal(N)
+    lcc.init()
+    state = elastic.ObjectState(w=np.zeros(DIM), step=0)
+    state.register_reset_callbacks([lambda: lcc.rank() == 0 and print(
+        f"RESET step {state.step} size {lcc.size()}", flush=True)])
+
+    @elastic.run
+    def train(state):
+        while state.step < STEPS:
+            if state.step in (leave, back):
+                version = 2 if state.step == leave else 3
+                if lcc.rank() == 0 and hosts.published(directory) < version:
+                    listed = [(first[0], int(first[1]))]
+                    if state.step == back:
+                        listed.append((second[0], int(second[1])))
+                    hosts.write(directory, version, listed)
+                time.sleep(2)
+            total = lcc.allreduce(np.ones(1), name="count", op=lcc.Sum)
+            assert total[0] == lcc.size(), (total, lcc.size())
+            i = (state.step * lcc.size() + lcc.rank()) % N
+            grad = x[i] * (x[i] @ state.w - y[i])
+            state.w -= LR * lcc.allreduce(grad, name="grad", op=lcc.Average)
+            state.step += 1
+            if state.step % COMMIT == 0:
+                state.commit()
+
+    train(state)
+    if lcc.rank() == 0:
+        print("W " + " ".join(f"{v:.12e}" for v in state.w) + f" size {lcc.size()}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
