@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import re
-import sys
 import tempfile
 from pathlib import Path
 
@@ -20,6 +19,7 @@ import numpy as np
 import pytest
 
 from tests.netns.simhosts import SimHosts, unavailable_reason
+from tests.parallel.workers_elastic import lsq
 
 WORKER = str(Path(__file__).resolve().parent.parent / "parallel" / "workers_elastic"
              / "hosts_numpy.py")
@@ -29,15 +29,7 @@ pytestmark = [pytest.mark.netns, pytest.mark.timeout(300)]
 
 def _replay(change_step: int, before: int = 4, after: int = 2) -> np.ndarray:
     """hosts_numpy.py's descent: ``before`` ranks until ``change_step``, then ``after``."""
-    n_, dim, steps, lr = 16, 4, 24, 0.1
-    rng = np.random.default_rng(5)
-    x, y = rng.standard_normal((n_, dim)), rng.standard_normal(n_)
-    w = np.zeros(dim)
-    for step in range(steps):
-        size = before if step < change_step else after
-        grads = [x[i] * (x[i] @ w - y[i]) for i in ((step * size + r) % n_ for r in range(size))]
-        w = w - lr * np.mean(grads, axis=0)
-    return w
+    return lsq.replay(24, lambda step: before if step < change_step else after)
 
 
 def test_a_host_that_leaves_the_list_takes_its_ranks_out_at_a_commit():
@@ -58,6 +50,7 @@ def test_a_host_that_leaves_the_list_takes_its_ranks_out_at_a_commit():
     assert f"this rank's host {h1} is no longer in the job's host list: it leaves" in out, out
     assert "elastic: removed (host left) launch rank(s) 2, 3; continuing with 2 ranks" in out
     step = int(re.search(r"RESET step (\d+) size 2", out).group(1))
-    got = np.array([float(v) for v in re.search(r"W ([-0-9.e+ ]+) size 2", out).group(1).split()])
+    got = lsq.parse_weights(out, 2)
+    assert got is not None, out
     np.testing.assert_allclose(got, _replay(step), rtol=1e-10)
     assert not np.allclose(got, _replay(24))           # the change of size matters

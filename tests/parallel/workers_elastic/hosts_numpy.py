@@ -13,20 +13,20 @@ import sys
 import time
 
 import numpy as np
+from lsq import DIM, LR, data, gradient, weights_line
 
 import lightcc as lcc
 from lightcc.common import elastic
 from lightcc.common.elastic import hosts
 
-N, DIM, STEPS, COMMIT, LR = 16, 4, 24, 2, 0.1
+STEPS, COMMIT = 24, 2
 
 
 def main() -> None:
     first, second = (h.split(":") for h in sys.argv[1:3])
     leave, back = int(sys.argv[3]), int(sys.argv[4])
     directory = os.environ["LCC_RUNNER_STATUS_DIR"]
-    rng = np.random.default_rng(5)
-    x, y = rng.standard_normal((N, DIM)), rng.standard_normal(N)
+    x, y = data()
     lcc.init()
     state = elastic.ObjectState(w=np.zeros(DIM), step=0)
     state.register_reset_callbacks([lambda: lcc.rank() == 0 and print(
@@ -45,8 +45,7 @@ def main() -> None:
                 time.sleep(2)
             total = lcc.allreduce(np.ones(1), name="count", op=lcc.Sum)
             assert total[0] == lcc.size(), (total, lcc.size())
-            i = (state.step * lcc.size() + lcc.rank()) % N
-            grad = x[i] * (x[i] @ state.w - y[i])
+            grad = gradient(x, y, state.w, state.step, lcc.size(), lcc.rank())
             state.w -= LR * lcc.allreduce(grad, name="grad", op=lcc.Average)
             state.step += 1
             if state.step % COMMIT == 0:
@@ -54,7 +53,7 @@ def main() -> None:
 
     train(state)
     if lcc.rank() == 0:
-        print("W " + " ".join(f"{v:.12e}" for v in state.w) + f" size {lcc.size()}", flush=True)
+        print(weights_line(state.w, lcc.size()), flush=True)
 
 
 if __name__ == "__main__":

@@ -12,19 +12,19 @@ import sys
 import time
 
 import numpy as np
+from lsq import DIM, LR, data, gradient, weights_line
 
 import lightcc as lcc
 from lightcc.common import elastic
 
-N, DIM, STEPS, COMMIT, LR = 16, 4, 12, 4, 0.1
+STEPS, COMMIT = 12, 4
 
 
 def main() -> None:
     victim, kill_at = int(sys.argv[1]), int(sys.argv[2])
     notice_at = int(sys.argv[3]) if len(sys.argv) > 3 else -1
     launch_rank = int(os.environ.get("OMPI_COMM_WORLD_RANK", "0"))
-    rng = np.random.default_rng(5)
-    x, y = rng.standard_normal((N, DIM)), rng.standard_normal(N)
+    x, y = data()
     lcc.init()
     state = elastic.ObjectState(w=np.zeros(DIM), step=0)
 
@@ -35,8 +35,7 @@ def main() -> None:
                 os.kill(os.getpid(), 9)
             if launch_rank == 1 and state.step == notice_at:
                 state.on_hosts_updated(time.time())
-            i = (state.step * lcc.size() + lcc.rank()) % N
-            grad = x[i] * (x[i] @ state.w - y[i])
+            grad = gradient(x, y, state.w, state.step, lcc.size(), lcc.rank())
             state.w -= LR * lcc.allreduce(grad, name="grad", op=lcc.Average)
             state.step += 1
             if state.step % COMMIT == 0:
@@ -44,7 +43,7 @@ def main() -> None:
 
     train(state)
     if lcc.rank() == 0:
-        print("W " + " ".join(f"{v:.12e}" for v in state.w) + f" size {lcc.size()}", flush=True)
+        print(weights_line(state.w, lcc.size()), flush=True)
 
 
 if __name__ == "__main__":
