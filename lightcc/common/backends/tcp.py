@@ -26,27 +26,26 @@ lower member (the loopback address on its own host) and accepts every higher one
 """
 from __future__ import annotations
 
-import logging
 import os
 import queue
 import socket
 import struct
 import threading
-import time
 from collections import deque
 from typing import Any
 
 import numpy as np
 
-from ..control.transport import _recv_exactly, candidate_addresses, interface_addresses
+from ..control.transport import (
+    HELLO,
+    accept_hellos,
+    candidate_addresses,
+    dial,
+    interface_addresses,
+)
 from ..exceptions import LightCCError
 
-log = logging.getLogger("lightcc")
-
 _HDR = struct.Struct("<qq")            # tag, payload bytes
-_HELLO = struct.Struct("<8sI")          # job token, rank in the communicator
-CONNECT_TIMEOUT_S = 5.0                 # per address tried
-ACCEPT_TIMEOUT_S = 60.0                 # how long a member waits for its higher peers
 #: Largest single ``recv``/``send`` call (bytes): one GIL round trip per piece this size.
 PIECE_BYTES = 8 << 20
 
@@ -279,30 +278,11 @@ def connect(comm: Any, name: str, override: str = "") -> Links | None:
     for peer in range(rank):               # connect down, then accept from above
         port, remote, _, host = infos[peer]
         tried = (["127.0.0.1"] if host == infos[rank][3] else []) + list(remote)
-        sock = _dial(tried, port, token, rank, peer)
+        sock = dial(tried, port, HELLO.pack(token, rank), reply=HELLO.pack(token, peer))
         if sock is not None:
             socks[peer] = sock
-    deadline = time.monotonic() + ACCEPT_TIMEOUT_S
-    while len([p for p in socks if p > rank]) < size - 1 - rank:
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            break
-        listener.settimeout(remaining)
-        try:
-            sock, _ = listener.accept()
-            sock.settimeout(max(1.0, remaining))
-            got, peer = _HELLO.unpack(_recv_exactly(sock, _HELLO.size))
-        except (OSError, ValueError, struct.error):
-            continue
-        if got != token or not rank < peer < size or peer in socks:
-            sock.close()
-            continue
-        try:
-            sock.sendall(_HELLO.pack(token, rank))       # tells the caller it reached us
-        except OSError:
-            sock.close()
-            continue
-        socks[peer] = sock
+    socks.update(accept_hellos(listener, token, set(range(rank + 1, size)),
+                               reply=HELLO.pack(token, rank)))
     listener.close()
     ok = len(socks) == size - 1
     if not all(comm.allgather_object(ok)):
@@ -314,23 +294,3 @@ def connect(comm: Any, name: str, override: str = "") -> Links | None:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         links.peers[peer] = _Peer(links, peer, sock)
     return links
-
-
-def _dial(addrs: list[str], port: int, token: bytes, rank: int, peer: int) -> socket.socket | None:
-    """A connection to member ``peer`` listening on ``port`` at one of ``addrs``, checked both
-    ways (a stray listener on the same port of another host is skipped)."""
-    for addr in addrs:
-        try:
-            sock = socket.create_connection((addr, port), timeout=CONNECT_TIMEOUT_S)
-        except OSError as exc:
-            log.debug("TCP data link to %s:%d failed: %s", addr, port, exc)
-            continue
-        try:
-            sock.sendall(_HELLO.pack(token, rank))
-            sock.settimeout(ACCEPT_TIMEOUT_S)
-            if _HELLO.unpack(_recv_exactly(sock, _HELLO.size)) == (token, peer):
-                return sock
-        except (OSError, ValueError, struct.error) as exc:
-            log.debug("TCP data link to %s:%d: no handshake: %s", addr, port, exc)
-        sock.close()
-    return None

@@ -35,7 +35,7 @@ from .negotiation import DEFAULT_FANOUT, layout
 log = logging.getLogger("lightcc")
 
 _HDR = struct.Struct("<I")
-_HELLO = struct.Struct("<8sI")
+HELLO = struct.Struct("<8sI")
 _SIOCGIFADDR = 0x8915
 CONNECT_TIMEOUT_S = 5.0     # per address tried
 ACCEPT_TIMEOUT_S = 60.0     # how long rank 0 waits for every rank to connect
@@ -156,40 +156,16 @@ class ControlPlane:
                 f"address or interface of that host that every rank can reach")
 
     def _connect(self, addrs: list[str], port: int, token: bytes) -> bool:
-        for addr in addrs:
-            try:
-                sock = socket.create_connection((addr, port), timeout=CONNECT_TIMEOUT_S)
-            except OSError as exc:
-                log.debug("control connection to %s:%d failed: %s", addr, port, exc)
-                continue
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            sock.sendall(_HELLO.pack(token, self.rank))
-            self._add(sock, self.parent)
-            return True
-        return False
+        sock = dial(addrs, port, HELLO.pack(token, self.rank))
+        if sock is None:
+            return False
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._add(sock, self.parent)
+        return True
 
     def _accept_all(self, listener: socket.socket, token: bytes, expected: set[int]) -> None:
         """Accept every child's connection, or stop at the deadline."""
-        deadline = time.monotonic() + ACCEPT_TIMEOUT_S
-        while not expected <= self._conns.keys():
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                return
-            listener.settimeout(remaining)
-            try:
-                sock, _ = listener.accept()
-            except (socket.timeout, OSError):
-                return
-            try:
-                sock.settimeout(max(1.0, remaining))
-                hello = _recv_exactly(sock, _HELLO.size)
-                got, rank = _HELLO.unpack(hello)
-            except (OSError, ValueError, struct.error):
-                sock.close()
-                continue
-            if got != token or rank not in expected or rank in self._conns:
-                sock.close()       # a stray connection, not one of ours
-                continue
+        for rank, sock in accept_hellos(listener, token, expected).items():
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             self._add(sock, rank)
 
@@ -335,6 +311,60 @@ def advertised_addresses(override: str, on_rank0_host: bool) -> list[str]:
     if override and (on_rank0_host or override in interface_addresses()):
         return candidate_addresses(override)
     return candidate_addresses()
+
+
+def dial(addrs: list[str], port: int, hello: bytes,
+         reply: bytes | None = None) -> socket.socket | None:
+    """A connection to ``port`` at the first of ``addrs`` that answers, after sending
+    ``hello``; with ``reply``, only one whose listener sends back exactly those bytes (a stray
+    listener on the same port of another host is skipped). None when no address works."""
+    for addr in addrs:
+        try:
+            sock = socket.create_connection((addr, port), timeout=CONNECT_TIMEOUT_S)
+        except OSError as exc:
+            log.debug("connection to %s:%d failed: %s", addr, port, exc)
+            continue
+        try:
+            sock.sendall(hello)
+            if reply is None:
+                return sock
+            sock.settimeout(ACCEPT_TIMEOUT_S)
+            if _recv_exactly(sock, len(reply)) == reply:
+                return sock
+        except (OSError, ValueError) as exc:
+            log.debug("connection to %s:%d: no handshake: %s", addr, port, exc)
+        sock.close()
+    return None
+
+
+def accept_hellos(listener: socket.socket, token: bytes, expected: set[int],
+                  reply: bytes | None = None) -> dict[int, socket.socket]:
+    """Connections whose hello carries ``token`` and a rank of ``expected`` (one each), until
+    all came or :data:`ACCEPT_TIMEOUT_S` passed; ``reply`` is sent back on each. Others are
+    closed."""
+    got: dict[int, socket.socket] = {}
+    deadline = time.monotonic() + ACCEPT_TIMEOUT_S
+    while not expected <= got.keys():
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            break
+        listener.settimeout(remaining)
+        try:
+            sock, _ = listener.accept()
+        except OSError:                        # socket.timeout included
+            break
+        try:
+            sock.settimeout(max(1.0, remaining))
+            theirs, rank = HELLO.unpack(_recv_exactly(sock, HELLO.size))
+            if theirs != token or rank not in expected or rank in got:
+                raise ValueError("a stray connection, not one of ours")
+            if reply is not None:
+                sock.sendall(reply)
+        except (OSError, ValueError, struct.error):
+            sock.close()
+            continue
+        got[rank] = sock
+    return got
 
 
 def _recv_exactly(sock: socket.socket, n: int) -> bytes:
