@@ -24,10 +24,20 @@ W = "tests/parallel/workers_reliability/"
 WORKERS = Path(__file__).resolve().parent / "workers_reliability"
 
 
-def test_injected_faults_fail_the_bucket_on_every_rank_and_the_next_one_succeeds():
-    out = run_mpi(3, [W + "faults_worker.py", "flat,hierarchical,2d"],
-                  env={"LCC_TEST_FAULT": "", "LCC_LOCAL_SIZE": "2"}, timeout=240).stdout
+@pytest.mark.parametrize("algos,local,transport,links", [
+    ("flat,hierarchical,2d", "2", "auto", "cross"),
+    ("ring,flat", "1", "tcp", "world,cross")])
+def test_injected_faults_fail_the_bucket_on_every_rank_and_the_next_one_succeeds(
+        algos, local, transport, links):
+    """2 simulated hosts of 2 + 1 ranks: the leaders' ``cross`` communicator has lightcc's
+    TCP links (auto), the agreement is an MPI allreduce on ``world``. With ``tcp`` and every
+    rank its own host, ``world`` has links too and each bucket's agreement goes over them
+    (its flags on their own tag), as do the compressed buckets' messages."""
+    out = run_mpi(3, [W + "faults_worker.py", algos],
+                  env={"LCC_TEST_FAULT": "", "LCC_LOCAL_SIZE": local,
+                       "LCC_CROSS_TRANSPORT": transport}, timeout=240).stdout
     assert out.count("faults ok") == 3, out
+    assert f"rank 0: tcp links on {links}\n" in out, out
 
 
 @pytest.fixture(scope="module")

@@ -351,9 +351,11 @@ class MPICommunicator:
             self._agreement = self.comm.Dup()
 
     def agree(self, failed: bool, what: str, timeout: float) -> list[int]:
-        """Ranks on which the bucket failed (see :func:`agree_over`)."""
+        """Ranks on which the bucket failed (see :func:`agree_over`; over this communicator's
+        TCP links when it has them)."""
         self.prepare_agreement()
-        return agree_over(self._agreement, self.rank, self.size, failed, what, timeout)
+        return agree_over(self._agreement, self.rank, self.size, failed, what, timeout,
+                          self.links)
 
     def use_tcp(self, override: str = "") -> bool:
         """Carry this communicator's point-to-point messages over lightcc's own TCP links

@@ -128,14 +128,21 @@ def max_tag() -> int:
     return int(MPI.COMM_WORLD.Get_attr(MPI.TAG_UB))
 
 
+#: Tag of the agreement's flags over lightcc's TCP links (data messages use small tags).
+AGREE_TAG = 1 << 40
+
+
 def agree_over(comm: Any, rank: int, size: int, failed: bool, what: str,
-               timeout: float) -> list[int]:
+               timeout: float, links: Any = None) -> list[int]:
     """Ranks of ``comm`` (an mpi4py communicator used for nothing else at this point) on which
-    a bucket failed: a max-allreduce of one flag byte per rank.
+    a bucket failed: a max-allreduce of one flag byte per rank; over ``links`` (the
+    communicator's TCP links, :mod:`.tcp`) each rank sends its flag to every other one on
+    :data:`AGREE_TAG` instead, so the wait blocks in the kernel rather than spinning in MPI.
 
     A rank that failed waits at most ``timeout`` seconds for its peers: if they never arrive,
-    it raised in the middle of the bucket's communication and they are blocked inside MPI for
-    good, so it aborts the job (the launcher then names this rank) instead of leaving it hung.
+    it raised in the middle of the bucket's communication and they are blocked inside MPI (or
+    waiting for its data on the links) for good, so it aborts the job (the launcher then names
+    this rank) instead of leaving it hung.
     """
     MPI = _mpi()
     flags = np.zeros(size, np.uint8)
@@ -152,7 +159,14 @@ def agree_over(comm: Any, rank: int, size: int, failed: bool, what: str,
         watchdog.daemon = True
         watchdog.start()
     try:
-        comm.Allreduce(MPI.IN_PLACE, [flags, MPI.UNSIGNED_CHAR], op=MPI.MAX)
+        if links is None:
+            comm.Allreduce(MPI.IN_PLACE, [flags, MPI.UNSIGNED_CHAR], op=MPI.MAX)
+        else:
+            peers = [r for r in range(size) if r != rank]
+            reqs = [links.irecv(flags[r:r + 1], r, AGREE_TAG) for r in peers]
+            reqs += [links.isend(flags[rank:rank + 1].copy(), r, AGREE_TAG) for r in peers]
+            for req in reqs:
+                req.wait()
     finally:
         if watchdog is not None:
             watchdog.cancel()

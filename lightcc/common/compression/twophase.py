@@ -17,7 +17,9 @@ as soon as all copies of it have arrived, re-encodes it and sends it on while la
 still arriving. Encoding, decoding and the slow link then overlap, so on a slow network the time
 approaches ``wire bytes / line rate`` instead of ``codec time + wire time``. The bytes on the
 wire and the per-piece arithmetic are those of the unpipelined scheme applied to each piece.
-Device buffers (CuPy) always use the collective scheme, with the codecs' CUDA kernels.
+Device buffers (CuPy) always use the collective scheme, with the codecs' CUDA kernels; a
+communicator with lightcc's TCP links (``LCC_CROSS_TRANSPORT``) always uses the point-to-point
+one, in one piece for small buckets, so no wait spins in an MPI collective.
 
 **Scaled formats (fp8) never cut a scaling block.** A scaled codec has a ``unit`` (elements
 per scale); its blocks start at each tensor's start (``BucketContext.spans``), chunk and piece
@@ -211,7 +213,7 @@ class TwoPhaseCompressor:
         # device communicators: the collective scheme (NCCL issues point-to-point calls in
         # groups that must match on both sides, which the pipelined exchange does not)
         k = 1 if comm.is_device else num_pieces(max(counts))
-        if k > 1:
+        if k > 1 or getattr(comm, "links", None) is not None:   # TCP links: no collectives
             self._pipelined(comm, buf, lay, counts, k)
             return
         starts = displacements(counts)

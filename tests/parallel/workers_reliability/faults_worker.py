@@ -1,7 +1,8 @@
 """Injected faults at every site fail exactly the affected bucket on every rank, with the
 cause chained on the failing rank, and the next collective succeeds (mpirun -np 3).
 
-Runs with ``LCC_TEST_FAULT=""`` (injection on, no fault yet) and ``LCC_LOCAL_SIZE=2``; the
+Runs with ``LCC_TEST_FAULT=""`` (injection on, no fault yet) and ``LCC_LOCAL_SIZE=2`` (or 1,
+with ``LCC_CROSS_TRANSPORT=tcp``: every rank its own host, the agreement over TCP links); the
 worker switches specs with ``faults.set_spec`` on every rank while nothing is in flight.
 Prints ``faults ok <count>`` per rank.
 """
@@ -13,6 +14,7 @@ import numpy as np
 
 import lightcc as lcc
 from lightcc import CollectiveError
+from lightcc.common import api
 from lightcc.common.observability import faults
 from lightcc.common.observability.faults import InjectedFault
 
@@ -86,6 +88,11 @@ def runs_site(site: str, algo: str) -> set[int]:
 for algo in ALGOS:
     lcc.init(fusion_threshold=0, algorithm=algo)   # one bucket per tensor
     R, N = lcc.rank(), lcc.size()
+    if algo == ALGOS[0]:     # which communicators carry their messages over lightcc's TCP links
+        topo = api.engine().group(0).topo
+        print(f"rank {R}: tcp links on " + ",".join(
+            c.name for c in (topo.world, topo.cross) if c is not None and c.links is not None),
+            flush=True)
     for site in ("compressor", "algorithm", "backend"):
         for victims in ([2], None, [0, 1]):
             run_case(site, algo, victims, "allreduce", f"{algo}.{site}.{victims}")
