@@ -5,8 +5,12 @@ list, its 2 ranks leave the job at the next commit (no failure, no rollback) and
 host 0 go on; their weights must equal a NumPy replay (4 ranks up to the reported reset step,
 then 2). Skips where namespaces are unavailable (not Linux, not root, no iproute2).
 
-Growing back onto the second host (``MPI_Comm_spawn`` with ``PMIX_ADD_HOST`` for a simulated
-host) does not work yet: PRRTE reports too few slots, or hangs (docs/elastic.md).
+Growth across hosts: after host 1 left, a third host (not in the launch allocation) appears
+in the list and, with ``LCC_ELASTIC_MAX_NP=4``, 2 new processes start there (``MPI_Comm_spawn``
+with ``PMIX_ADD_HOST``: PRRTE starts a daemon on it through the namespace agent) and join; the
+weights must equal a NumPy replay of 4, then 2, then 4 ranks. Growing back onto host 1 itself
+(whose processes of the launch job have all exited) does not work in Open MPI 5.0.11: the new
+processes fail in ``MPI_Init`` (docs/elastic.md).
 """
 from __future__ import annotations
 
@@ -54,3 +58,35 @@ def test_a_host_that_leaves_the_list_takes_its_ranks_out_at_a_commit():
     assert got is not None, out
     np.testing.assert_allclose(got, _replay(step), rtol=1e-10)
     assert not np.allclose(got, _replay(24))           # the change of size matters
+
+
+def test_a_host_that_appears_in_the_list_gets_new_ranks_that_join_at_a_commit():
+    reason = unavailable_reason()
+    if reason:
+        pytest.skip(f"simulated hosts unavailable: {reason}")
+    with SimHosts(3, None, tag=f"lceg{os.getpid()}") as sim, \
+            tempfile.TemporaryDirectory() as status:
+        from lightcc.common.elastic import hosts
+
+        h0, h1, h2 = sim.hosts
+        hosts.write(status, 1, [(h0, 2), (h1, 2)])
+        # the agent maps addresses to namespaces; the host list names hosts by name, so
+        # PRRTE asks the agent for the new host by its name too
+        names = ",".join(f"{h}={h}" for h in sim.hosts)
+        res = sim.run(2, [WORKER, f"{h0}:2", f"{h1}:2", "4", "10", f"{h2}:2"], timeout=240,
+                      env={"LCC_RUNNER_STATUS_DIR": status, "LCC_ELASTIC_MAX_NP": "4",
+                           "LCC_NETNS_HOSTS": f"{sim.env()['LCC_NETNS_HOSTS']},{names}"},
+                      extra=["--with-ft", "ulfm", "-x", "LCC_RUNNER_STATUS_DIR",
+                             "-x", "LCC_ELASTIC_MAX_NP"], slots=[2, 2, 0])
+    out = res.stdout
+    assert res.returncode == 0, out[-6000:]
+    assert "elastic: removed (host left) launch rank(s) 2, 3; continuing with 2 ranks" in out
+    assert "elastic: joined launch rank(s) 4, 5; continuing with 4 ranks" in out, out[-6000:]
+    left = int(re.search(r"RESET step (\d+) size 2", out).group(1))
+    grew = int(re.search(r"RESET step (\d+) size 4", out).group(1))
+    assert left < grew, out
+    got = lsq.parse_weights(out, 4)
+    assert got is not None, out[-6000:]
+    sizes = lambda step: 4 if step < left or step >= grew else 2   # noqa: E731
+    np.testing.assert_allclose(got, lsq.replay(24, sizes), rtol=1e-10)
+    assert not np.allclose(got, _replay(left))          # the growth matters

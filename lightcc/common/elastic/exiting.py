@@ -82,6 +82,7 @@ def disconnect_at_exit(inter: Any) -> None:
 
     def disconnect() -> None:
         lifecycle.shutdown()
+        ulfm.free(ulfm.Joined.comm)
         for other in Exit.inters:
             ulfm.disconnect(other)
 
