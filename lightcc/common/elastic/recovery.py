@@ -87,6 +87,14 @@ def _current() -> Any:
     return _members.comm
 
 
+def launch_number() -> int:
+    """This process's launch number: its rank in the job as launched, or, in a process that
+    joined the group later, the number the survivors gave it (3 ranks and a replacement:
+    0, 1, 3). It stays the same through resets; lccrun's lines use it."""
+    _adopt_join()
+    return _members.my_id if _members.my_id >= 0 else ulfm.launch_rank()
+
+
 def check_ready() -> None:
     """Raise ``ElasticError`` early when a failure could not be survived (no ULFM)."""
     if api_state.size() > 1 and not (ulfm.supported() and ulfm.enabled_at_launch()):
@@ -155,7 +163,8 @@ def reset() -> dict:
         _members.changes += 1
         hosts.Seen.version = listed.version
         if inter is not None:
-            exiting.Exit.inters.append(inter)
+            exiting.connect(inter, joined, launch)
+        exiting.Exit.members = set(launch)
         dropped = _readd_process_sets(sets, old_launch, launch, joined)
     finally:
         done.set()
@@ -267,7 +276,9 @@ def _adopt_join() -> None:
     _members.failures, _members.blacklist = dict(meta["failures"]), list(meta["blacklist"])
     _members.joined = True
     hosts.Seen.version = meta["version"]
-    exiting.disconnect_at_exit(ulfm.Joined.inter)
+    exiting.disconnect_at_exit(ulfm.Joined.inter,
+                               meta["launch"][:ulfm.Joined.inter.Get_remote_size()],
+                               meta["launch"])
 
 
 def _readd_process_sets(sets: list[tuple[Any, list[int]]], old_launch: list[int],
