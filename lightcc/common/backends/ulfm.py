@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from ... import _exit
 from .mpi_runtime import _mpi
 
 
@@ -155,4 +156,7 @@ def join_parent() -> Any:
         return None
     merged = inter.Merge(high=True)
     Joined.inter, Joined.comm, Joined.meta = inter, merged, merged.bcast(None, root=0)
+    # lccrun's records (the rank wrapper's status file) name this process by its launch
+    # number, not by its rank in its own spawned job
+    _exit.launch_number = Joined.meta["launch"][merged.Get_rank()]
     return merged
