@@ -8,9 +8,10 @@ then 2). Skips where namespaces are unavailable (not Linux, not root, no iproute
 Growth across hosts: after host 1 left, a third host (not in the launch allocation) appears
 in the list and, with ``LCC_ELASTIC_MAX_NP=4``, 2 new processes start there (``MPI_Comm_spawn``
 with ``PMIX_ADD_HOST``: PRRTE starts a daemon on it through the namespace agent) and join; the
-weights must equal a NumPy replay of 4, then 2, then 4 ranks. Growing back onto host 1 itself
-(whose processes of the launch job have all exited) does not work in Open MPI 5.0.11: the new
-processes fail in ``MPI_Init`` (docs/elastic.md).
+weights must equal a NumPy replay of 4, then 2, then 4 ranks. Host 1 itself coming back gets
+no new ranks (Open MPI 5.0.11 cannot start processes there again once all the launch job's
+processes there ended: they failed in ``MPI_Init``, docs/elastic.md): the job must say so and
+finish on 2 ranks.
 """
 from __future__ import annotations
 
@@ -60,6 +61,21 @@ def test_a_host_that_leaves_the_list_takes_its_ranks_out_at_a_commit():
     assert not np.allclose(got, _replay(24))           # the change of size matters
 
 
+def _grow(sim, status, new_host: str):
+    """hosts_numpy.py on 2 + 2 ranks: host 1 leaves at step 4, ``new_host`` is listed at
+    step 10, ``LCC_ELASTIC_MAX_NP=4``."""
+    h0, h1 = sim.hosts[:2]
+    # the agent maps addresses to namespaces; the host list names hosts by name, so
+    # PRRTE asks the agent for a new host by its name too
+    names = ",".join(f"{h}={h}" for h in sim.hosts)
+    return sim.run(2, [WORKER, f"{h0}:2", f"{h1}:2", "4", "10", f"{new_host}:2"], timeout=240,
+                   env={"LCC_RUNNER_STATUS_DIR": status, "LCC_ELASTIC_MAX_NP": "4",
+                        "LCC_NETNS_HOSTS": f"{sim.env()['LCC_NETNS_HOSTS']},{names}"},
+                   extra=["--with-ft", "ulfm", "--prtemca", "state_base_recoverable", "1",
+                          "-x", "LCC_RUNNER_STATUS_DIR", "-x", "LCC_ELASTIC_MAX_NP"],
+                   slots=[2] * 2 + [0] * (sim.n - 2))
+
+
 def test_a_host_that_appears_in_the_list_gets_new_ranks_that_join_at_a_commit():
     reason = unavailable_reason()
     if reason:
@@ -70,14 +86,7 @@ def test_a_host_that_appears_in_the_list_gets_new_ranks_that_join_at_a_commit():
 
         h0, h1, h2 = sim.hosts
         hosts.write(status, 1, [(h0, 2), (h1, 2)])
-        # the agent maps addresses to namespaces; the host list names hosts by name, so
-        # PRRTE asks the agent for the new host by its name too
-        names = ",".join(f"{h}={h}" for h in sim.hosts)
-        res = sim.run(2, [WORKER, f"{h0}:2", f"{h1}:2", "4", "10", f"{h2}:2"], timeout=240,
-                      env={"LCC_RUNNER_STATUS_DIR": status, "LCC_ELASTIC_MAX_NP": "4",
-                           "LCC_NETNS_HOSTS": f"{sim.env()['LCC_NETNS_HOSTS']},{names}"},
-                      extra=["--with-ft", "ulfm", "-x", "LCC_RUNNER_STATUS_DIR",
-                             "-x", "LCC_ELASTIC_MAX_NP"], slots=[2, 2, 0])
+        res = _grow(sim, status, h2)
     out = res.stdout
     assert res.returncode == 0, out[-6000:]
     assert "elastic: removed (host left) launch rank(s) 2, 3; continuing with 2 ranks" in out
@@ -90,3 +99,25 @@ def test_a_host_that_appears_in_the_list_gets_new_ranks_that_join_at_a_commit():
     sizes = lambda step: 4 if step < left or step >= grew else 2   # noqa: E731
     np.testing.assert_allclose(got, lsq.replay(24, sizes), rtol=1e-10)
     assert not np.allclose(got, _replay(left))          # the growth matters
+
+
+def test_a_host_that_left_and_comes_back_gets_no_new_ranks():
+    reason = unavailable_reason()
+    if reason:
+        pytest.skip(f"simulated hosts unavailable: {reason}")
+    with SimHosts(2, None, tag=f"lceb{os.getpid()}") as sim, \
+            tempfile.TemporaryDirectory() as status:
+        from lightcc.common.elastic import hosts
+
+        h0, h1 = sim.hosts
+        hosts.write(status, 1, [(h0, 2), (h1, 2)])
+        res = _grow(sim, status, h1)
+    out = res.stdout
+    assert res.returncode == 0, out[-6000:]
+    assert "elastic: removed (host left) launch rank(s) 2, 3; continuing with 2 ranks" in out
+    assert f"host {h1} had ranks of this job and has none left" in out, out[-6000:]
+    assert "joined" not in out, out[-6000:]
+    step = int(re.search(r"RESET step (\d+) size 2", out).group(1))
+    got = lsq.parse_weights(out, 2)
+    assert got is not None, out[-6000:]
+    np.testing.assert_allclose(got, _replay(step), rtol=1e-10)

@@ -54,6 +54,7 @@ class _Membership:
         self.started = False             # run() read the first host list
         self.failures: dict[str, int] = {}   # listed host -> ranks lost there
         self.blacklist: list[str] = []       # hosts that get no new ranks
+        self.ran_on: list[str] = []          # host names where members of the group ran
 
 
 _members = _Membership()
@@ -151,6 +152,7 @@ def reset() -> dict:
                 f"elastic: the group was already re-formed {_members.changes} time(s), the "
                 f"limit (--reset-limit / LCC_ELASTIC_RESET_LIMIT {cfg.elastic_reset_limit}): "
                 f"ending the job")
+        _members.ran_on = sorted(set(_members.ran_on) | set(host_of.values()))
         new, launch, joined, inter, listed, removed, banned = _change_hosts(
             new, cfg, start, [host_of.get(r, "") for r in lost])
         if new.Get_size() < cfg.elastic_min_np:
@@ -203,8 +205,10 @@ def _change_hosts(comm: Any, cfg: config_mod.Config, start: float, lost_on: list
     need = cfg.elastic_min_np if cfg.elastic_max_np else 0
     logged = False
     while True:
-        plan = growth.plan_growth(comm, listed, cfg.elastic_max_np, growth.hostnames(comm),
-                                  _members.blacklist)
+        names = growth.hostnames(comm)
+        plan = growth.plan_growth(comm, listed, cfg.elastic_max_np, names,
+                                  _members.blacklist + _vacated(listed, names,
+                                                                comm.Get_rank() == 0))
         offered = sum(n for _, n, _ in plan)
         if len(launch) + offered >= need:
             break
@@ -227,9 +231,31 @@ def _change_hosts(comm: Any, cfg: config_mod.Config, start: float, lost_on: list
     _members.next_id += len(joined)
     meta = {"launch": launch + joined, "next_id": _members.next_id,
             "version": listed.version, "changes": _members.changes + 1,
-            "failures": _members.failures, "blacklist": _members.blacklist}
+            "failures": _members.failures, "blacklist": _members.blacklist,
+            "ran_on": _members.ran_on}
     merged, inter = growth.grow(comm, plan, meta)
     return merged, launch + joined, joined, inter, listed, removed, banned
+
+
+class _Warned:
+    vacated: set = set()      # hosts already named in the warning below
+
+
+def _vacated(listed: hosts.HostList, names: list[str], say: bool) -> list[str]:
+    """Listed hosts where members of this group ran and none runs now: they get no new
+    processes. Open MPI 5.0.11 cannot start processes of the job on a host again once all
+    the launch job's processes there have ended (the new ones fail in ``MPI_Init`` with
+    "Not supported" from ``dpm.c``, and the survivors would wait in the spawn until the
+    watchdog; measured on tests/netns's simulated hosts, docs/elastic.md)."""
+    here = {listed.owner(n) for n in names}
+    gone = sorted({h for h in map(listed.owner, _members.ran_on) if h and h not in here})
+    for host in gone:
+        if say and host not in _Warned.vacated:
+            _Warned.vacated.add(host)
+            log.warning("elastic: host %s had ranks of this job and has none left: Open MPI "
+                        "cannot start new processes of the job there (docs/elastic.md); it "
+                        "gets no new ranks", host)
+    return gone
 
 
 def _count_failures(listed: hosts.HostList, lost_on: list[str], limit: int) -> list[str]:
@@ -274,6 +300,7 @@ def _adopt_join() -> None:
     _members.my_id = meta["launch"][ulfm.Joined.comm.Get_rank()]
     _members.next_id, _members.changes = meta["next_id"], meta["changes"]
     _members.failures, _members.blacklist = dict(meta["failures"]), list(meta["blacklist"])
+    _members.ran_on = list(meta.get("ran_on", ()))
     _members.joined = True
     hosts.Seen.version = meta["version"]
     exiting.disconnect_at_exit(ulfm.Joined.inter,
