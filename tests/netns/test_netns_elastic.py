@@ -11,13 +11,15 @@ with ``PMIX_ADD_HOST``: PRRTE starts a daemon on it through the namespace agent)
 weights must equal a NumPy replay of 4, then 2, then 4 ranks. Host 1 itself coming back gets
 no new ranks (Open MPI 5.0.11 cannot start processes there again once all the launch job's
 processes there ended: they failed in ``MPI_Init``, docs/elastic.md): the job must say so and
-finish on 2 ranks.
+finish on 2 ranks. With ``LCC_ELASTIC_MIN_NP=4`` the 2 survivors of host 1's departure wait
+until the third host appears and grow back to 4 within the same reset.
 """
 from __future__ import annotations
 
 import os
 import re
 import tempfile
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -61,18 +63,21 @@ def test_a_host_that_leaves_the_list_takes_its_ranks_out_at_a_commit():
     assert not np.allclose(got, _replay(24))           # the change of size matters
 
 
-def _grow(sim, status, new_host: str):
+def _grow(sim, status, new_host: str, back: int = 10, min_np: int = 1):
     """hosts_numpy.py on 2 + 2 ranks: host 1 leaves at step 4, ``new_host`` is listed at
-    step 10, ``LCC_ELASTIC_MAX_NP=4``."""
+    step ``back`` (-1: never), ``LCC_ELASTIC_MAX_NP=4``, ``LCC_ELASTIC_MIN_NP=min_np``."""
     h0, h1 = sim.hosts[:2]
     # the agent maps addresses to namespaces; the host list names hosts by name, so
     # PRRTE asks the agent for a new host by its name too
     names = ",".join(f"{h}={h}" for h in sim.hosts)
-    return sim.run(2, [WORKER, f"{h0}:2", f"{h1}:2", "4", "10", f"{new_host}:2"], timeout=240,
+    return sim.run(2, [WORKER, f"{h0}:2", f"{h1}:2", "4", str(back), f"{new_host}:2"],
+                   timeout=240,
                    env={"LCC_RUNNER_STATUS_DIR": status, "LCC_ELASTIC_MAX_NP": "4",
+                        "LCC_ELASTIC_MIN_NP": str(min_np), "LCC_ELASTIC_TIMEOUT": "120",
                         "LCC_NETNS_HOSTS": f"{sim.env()['LCC_NETNS_HOSTS']},{names}"},
                    extra=["--with-ft", "ulfm", "--prtemca", "state_base_recoverable", "1",
-                          "-x", "LCC_RUNNER_STATUS_DIR", "-x", "LCC_ELASTIC_MAX_NP"],
+                          "-x", "LCC_RUNNER_STATUS_DIR", "-x", "LCC_ELASTIC_MAX_NP",
+                          "-x", "LCC_ELASTIC_MIN_NP", "-x", "LCC_ELASTIC_TIMEOUT"],
                    slots=[2] * 2 + [0] * (sim.n - 2))
 
 
@@ -121,3 +126,44 @@ def test_a_host_that_left_and_comes_back_gets_no_new_ranks():
     got = lsq.parse_weights(out, 2)
     assert got is not None, out[-6000:]
     np.testing.assert_allclose(got, _replay(step), rtol=1e-10)
+
+
+def test_below_min_np_the_survivors_wait_for_a_host_to_appear():
+    """``LCC_ELASTIC_MIN_NP=4``: when host 1 leaves, the 2 survivors are below the minimum and
+    wait (nobody trains); the test, playing lccrun, lists a third host 3 s after the change;
+    2 processes start there within the same reset, so the job never trains on 2 ranks: its
+    weights equal the uninterrupted 4-rank replay."""
+    reason = unavailable_reason()
+    if reason:
+        pytest.skip(f"simulated hosts unavailable: {reason}")
+    with SimHosts(3, None, tag=f"lcew{os.getpid()}") as sim, \
+            tempfile.TemporaryDirectory() as status:
+        from lightcc.common.elastic import hosts
+
+        h0, h1, h2 = sim.hosts
+        hosts.write(status, 1, [(h0, 2), (h1, 2)])
+        stop = threading.Event()
+
+        def appear() -> None:
+            while hosts.published(status) < 2 and not stop.wait(0.2):
+                pass
+            if not stop.wait(3.0):
+                hosts.write(status, 3, [(h0, 2), (h2, 2)])
+
+        helper = threading.Thread(target=appear, daemon=True)
+        helper.start()
+        try:
+            res = _grow(sim, status, h2, back=-1, min_np=4)
+        finally:
+            stop.set()
+            helper.join()
+    out = res.stdout
+    assert res.returncode == 0, out[-6000:]
+    assert "fewer than the minimum of 4: waiting up to 120 s for hosts" in out, out[-6000:]
+    assert "elastic: removed (host left) launch rank(s) 2, 3, joined launch rank(s) 4, 5; " \
+        "continuing with 4 ranks" in out, out[-6000:]
+    assert re.search(r"RESET step \d+ size 4", out) and not re.search(r"RESET step \d+ size 2",
+                                                                      out), out[-6000:]
+    got = lsq.parse_weights(out, 4)
+    assert got is not None, out[-6000:]
+    np.testing.assert_allclose(got, _replay(24), rtol=1e-10)
