@@ -16,6 +16,7 @@ until the third host appears and grow back to 4 within the same reset.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import tempfile
@@ -25,6 +26,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from lightcc.common.elastic import hosts
 from tests.netns.simhosts import SimHosts, unavailable_reason
 from tests.parallel.workers_elastic import lsq
 
@@ -39,16 +41,22 @@ def _replay(change_step: int, before: int = 4, after: int = 2) -> np.ndarray:
     return lsq.replay(24, lambda step: before if step < change_step else after)
 
 
-def test_a_host_that_leaves_the_list_takes_its_ranks_out_at_a_commit():
+@contextlib.contextmanager
+def _simulated(n: int, tag: str):
+    """``n`` simulated hosts and a status directory whose host list (version 1) is the first
+    two with 2 slots each; skips where namespaces are unavailable."""
     reason = unavailable_reason()
     if reason:
         pytest.skip(f"simulated hosts unavailable: {reason}")
-    with SimHosts(2, None, tag=f"lcel{os.getpid()}") as sim, \
+    with SimHosts(n, None, tag=f"{tag}{os.getpid()}") as sim, \
             tempfile.TemporaryDirectory() as status:
-        from lightcc.common.elastic import hosts
+        hosts.write(status, 1, [(sim.hosts[0], 2), (sim.hosts[1], 2)])
+        yield sim, status
 
+
+def test_a_host_that_leaves_the_list_takes_its_ranks_out_at_a_commit():
+    with _simulated(2, "lcel") as (sim, status):
         h0, h1 = sim.hosts
-        hosts.write(status, 1, [(h0, 2), (h1, 2)])
         res = sim.run(2, [WORKER, f"{h0}:2", f"{h1}:2", "4", "-1"], timeout=240,
                       env={"LCC_RUNNER_STATUS_DIR": status},
                       extra=["--with-ft", "ulfm", "-x", "LCC_RUNNER_STATUS_DIR"])
@@ -82,16 +90,8 @@ def _grow(sim, status, new_host: str, back: int = 10, min_np: int = 1):
 
 
 def test_a_host_that_appears_in_the_list_gets_new_ranks_that_join_at_a_commit():
-    reason = unavailable_reason()
-    if reason:
-        pytest.skip(f"simulated hosts unavailable: {reason}")
-    with SimHosts(3, None, tag=f"lceg{os.getpid()}") as sim, \
-            tempfile.TemporaryDirectory() as status:
-        from lightcc.common.elastic import hosts
-
-        h0, h1, h2 = sim.hosts
-        hosts.write(status, 1, [(h0, 2), (h1, 2)])
-        res = _grow(sim, status, h2)
+    with _simulated(3, "lceg") as (sim, status):
+        res = _grow(sim, status, sim.hosts[2])
     out = res.stdout
     assert res.returncode == 0, out[-6000:]
     assert "elastic: removed (host left) launch rank(s) 2, 3; continuing with 2 ranks" in out
@@ -101,21 +101,14 @@ def test_a_host_that_appears_in_the_list_gets_new_ranks_that_join_at_a_commit():
     assert left < grew, out
     got = lsq.parse_weights(out, 4)
     assert got is not None, out[-6000:]
-    sizes = lambda step: 4 if step < left or step >= grew else 2   # noqa: E731
-    np.testing.assert_allclose(got, lsq.replay(24, sizes), rtol=1e-10)
+    np.testing.assert_allclose(
+        got, lsq.replay(24, lambda step: 4 if step < left or step >= grew else 2), rtol=1e-10)
     assert not np.allclose(got, _replay(left))          # the growth matters
 
 
 def test_a_host_that_left_and_comes_back_gets_no_new_ranks():
-    reason = unavailable_reason()
-    if reason:
-        pytest.skip(f"simulated hosts unavailable: {reason}")
-    with SimHosts(2, None, tag=f"lceb{os.getpid()}") as sim, \
-            tempfile.TemporaryDirectory() as status:
-        from lightcc.common.elastic import hosts
-
-        h0, h1 = sim.hosts
-        hosts.write(status, 1, [(h0, 2), (h1, 2)])
+    with _simulated(2, "lceb") as (sim, status):
+        h1 = sim.hosts[1]
         res = _grow(sim, status, h1)
     out = res.stdout
     assert res.returncode == 0, out[-6000:]
@@ -133,15 +126,8 @@ def test_below_min_np_the_survivors_wait_for_a_host_to_appear():
     wait (nobody trains); the test, playing lccrun, lists a third host 3 s after the change;
     2 processes start there within the same reset, so the job never trains on 2 ranks: its
     weights equal the uninterrupted 4-rank replay."""
-    reason = unavailable_reason()
-    if reason:
-        pytest.skip(f"simulated hosts unavailable: {reason}")
-    with SimHosts(3, None, tag=f"lcew{os.getpid()}") as sim, \
-            tempfile.TemporaryDirectory() as status:
-        from lightcc.common.elastic import hosts
-
-        h0, h1, h2 = sim.hosts
-        hosts.write(status, 1, [(h0, 2), (h1, 2)])
+    with _simulated(3, "lcew") as (sim, status):
+        h0, h2 = sim.hosts[0], sim.hosts[2]
         stop = threading.Event()
 
         def appear() -> None:
