@@ -180,7 +180,7 @@ def test_a_replacement_that_raises_is_named_by_its_launch_number(tmp_path):
     an error of the program, not a lost rank, so the job ends, and lccrun's last line names
     launch rank 3, not rank 0."""
     rc, out, err, _ = _run(tmp_path, 2, 5, 2, flags=["--max-np", "3"],
-                                env={"LCC_TEST_SECOND_KILL": "3:1:4:raise"})
+                           env={"LCC_TEST_SECOND_KILL": "3:1:4:raise"})
     assert rc == 1, f"{out[-3000:]}\n{err[-5000:]}"
     assert "joined rank 3 (launch numbering)" in err, err
     last = err.strip().splitlines()[-1]
