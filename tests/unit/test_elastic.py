@@ -247,17 +247,17 @@ def test_free_slots_fill_listed_hosts_in_order_up_to_the_target():
     assert hl.free_slots(["a", "a", "b"], 5, excluded=["b"]) == [("c", 2, 4)]   # blacklisted
 
 
-def test_a_host_whose_ranks_all_ended_is_excluded_from_growth(monkeypatch):
+def test_a_host_whose_ranks_all_ended_is_excluded_from_growth():
     """Open MPI cannot start processes there again (docs/elastic.md): hosts where members ran
     and none runs now; not a host that still has one, nor one that never had any."""
-    from lightcc.common.elastic import recovery
+    from lightcc.common.elastic import growth
 
-    monkeypatch.setattr(recovery._members, "ran_on", ["a", "b", "b", "node7"])
+    ran_on = ["a", "b", "b", "node7"]
     hl = hosts_mod.HostList(4, (("a", 2), ("b", 2), ("c", 2), ("localhost", 2)),
                             launcher="node7")
-    assert recovery._vacated(hl, ["a", "a"], False) == ["b", "localhost"]
-    assert recovery._vacated(hl, ["a", "b", "node7"], False) == []
-    excluded = recovery._vacated(hl, ["a", "a", "node7"], False)
+    assert growth.vacated(hl, ["a", "a"], ran_on, False) == ["b", "localhost"]
+    assert growth.vacated(hl, ["a", "b", "node7"], ran_on, False) == []
+    excluded = growth.vacated(hl, ["a", "a", "node7"], ran_on, False)
     assert hl.free_slots(["a", "a", "node7"], 5, excluded) == [("c", 2, 2)]
 
 

@@ -207,8 +207,8 @@ def _change_hosts(comm: Any, cfg: config_mod.Config, start: float, lost_on: list
     while True:
         names = growth.hostnames(comm)
         plan = growth.plan_growth(comm, listed, cfg.elastic_max_np, names,
-                                  _members.blacklist + _vacated(listed, names,
-                                                                comm.Get_rank() == 0))
+                                  _members.blacklist + growth.vacated(
+                                      listed, names, _members.ran_on, comm.Get_rank() == 0))
         offered = sum(n for _, n, _ in plan)
         if len(launch) + offered >= need:
             break
@@ -235,27 +235,6 @@ def _change_hosts(comm: Any, cfg: config_mod.Config, start: float, lost_on: list
             "ran_on": _members.ran_on}
     merged, inter = growth.grow(comm, plan, meta)
     return merged, launch + joined, joined, inter, listed, removed, banned
-
-
-class _Warned:
-    vacated: set = set()      # hosts already named in the warning below
-
-
-def _vacated(listed: hosts.HostList, names: list[str], say: bool) -> list[str]:
-    """Listed hosts where members of this group ran and none runs now: they get no new
-    processes. Open MPI 5.0.11 cannot start processes of the job on a host again once all
-    the launch job's processes there have ended (the new ones fail in ``MPI_Init`` with
-    "Not supported" from ``dpm.c``, and the survivors would wait in the spawn until the
-    watchdog; measured on tests/netns's simulated hosts, docs/elastic.md)."""
-    here = {listed.owner(n) for n in names}
-    gone = sorted({h for h in map(listed.owner, _members.ran_on) if h and h not in here})
-    for host in gone:
-        if say and host not in _Warned.vacated:
-            _Warned.vacated.add(host)
-            log.warning("elastic: host %s had ranks of this job and has none left: Open MPI "
-                        "cannot start new processes of the job there (docs/elastic.md); it "
-                        "gets no new ranks", host)
-    return gone
 
 
 def _count_failures(listed: hosts.HostList, lost_on: list[str], limit: int) -> list[str]:
