@@ -34,8 +34,16 @@ def is_consequence(exc: BaseException | None) -> bool:
     return "LightCCError" in names and any(text in str(exc) for text in LOST_RANK_TEXT)
 
 
+#: set in a process that joined an elastic job (MPI_Comm_spawn): its launch number, which
+#: names it in lccrun's records instead of its rank in its own spawned job (0, 1, ...)
+launch_number: int | None = None
+
+
 def world_rank() -> int | None:
-    """This process's rank in the MPI launch, from the launcher's environment."""
+    """This process's rank in the MPI launch, from the launcher's environment (in a process
+    that joined an elastic job: its launch number)."""
+    if launch_number is not None:
+        return launch_number
     for name in ("OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK"):
         value = os.environ.get(name)
         if value is not None and value.isdigit():

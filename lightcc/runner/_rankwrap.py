@@ -72,6 +72,11 @@ def write_status(code: int, what: str, signum: int = 0, consequence: bool = Fals
     if not directory or rank is None:
         return
     record = {"rank": rank, "code": code, "what": what, "time": time.time()}
+    job_rank = os.environ.get("OMPI_COMM_WORLD_RANK", "")
+    if _exit.launch_number is not None and job_rank.isdigit():
+        # joined an elastic job: ``rank`` is its launch number; prterun's banners name it by
+        # its rank in its own spawned job
+        record["job_rank"] = int(job_rank)
     if signum:
         record["signal"] = signum
     if consequence:

@@ -301,6 +301,10 @@ def to_spec(ns: argparse.Namespace) -> LaunchSpec:
     elastic_env = _elastic(ns, np_)
     if elastic_env and "--with-ft" not in mpi_args:
         mpi_args += ["--with-ft", "ulfm"]
+    if elastic_env and "state_base_recoverable" not in ns.mpi_args:
+        # every job PRRTE starts, the spawned ones included, counts as recoverable: the
+        # death of a process that joined is then an elastic event, not the job's failure
+        mpi_args += ["--prtemca", "state_base_recoverable", "1"]
     return LaunchSpec(
         np=np_, command=list(ns.command), hosts=hosts,
         hostfile=os.path.abspath(ns.hostfile) if ns.hostfile else None,

@@ -28,7 +28,7 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from .._exit import CONSEQUENCE_WAIT_S
@@ -153,6 +153,17 @@ def _from_status(record: dict) -> Failure:
                    detail="" if what == "sys.exit" else what)
 
 
+def _launch_numbering(banners: list[Failure], statuses: list[dict]) -> list[Failure]:
+    """prterun names a process that joined an elastic job (``MPI_Comm_spawn``) by its rank in
+    its own spawned job; its wrapper's record (``job_rank``) gives its launch number. A banner
+    rank that only a joined process's record explains is renamed to that launch number."""
+    joined = {int(r["job_rank"]): int(r["rank"]) for r in statuses
+              if "job_rank" in r and "rank" in r}
+    launched = {int(r["rank"]) for r in statuses if "job_rank" not in r and "rank" in r}
+    return [replace(f, rank=joined[f.rank])
+            if f.rank in joined and f.rank not in launched else f for f in banners]
+
+
 def diagnose(returncode: int, stderr_tail: str, statuses: list[dict]) -> list[Failure]:
     """Failures, the one that ended the job last. Empty if nothing failed.
 
@@ -165,7 +176,7 @@ def diagnose(returncode: int, stderr_tail: str, statuses: list[dict]) -> list[Fa
     """
     by_rank = {int(r["rank"]): r for r in statuses if "rank" in r and "code" in r}
     secondary = {rank for rank, r in by_rank.items() if r.get("consequence")}
-    banners = [f for _, f in parse_mpirun_output(stderr_tail)]
+    banners = _launch_numbering([f for _, f in parse_mpirun_output(stderr_tail)], statuses)
     own = [r for r in statuses if int(r.get("rank", -1)) in by_rank and not r.get("consequence")]
     first = next((f for f in banners if f.kind == "signal"), None) or \
         next((f for f in banners if f.rank not in secondary), None)

@@ -155,6 +155,41 @@ def test_a_replacement_joins_after_a_kill_up_to_max_np(tmp_path):
 
 @needs_lccrun
 @pytest.mark.timeout(480)
+def test_a_replacement_that_dies_is_replaced_and_the_job_ends_cleanly(tmp_path):
+    """As above, then the replacement (launch number 3) kills itself at epoch 1, step 4: the
+    survivors roll back to that epoch's commit at step 3 and a second replacement (launch
+    number 4) joins; the job must end with the training's exit code (0), not as a failed
+    job. Re-partitioning the epoch's rest on the same 3 ranks at a commit changes nothing,
+    so the reference is the single replacement's."""
+    rc, out, err, params = _run(tmp_path, 2, 5, 2, flags=["--max-np", "3"],
+                                env={"LCC_TEST_SECOND_KILL": "3:1:4"})
+    assert rc == 0, f"{out[-3000:]}\n{err[-5000:]}"
+    assert "lccrun: elastic: lost rank 2, joined rank 3 (launch numbering); 3 ranks continue" \
+        in err, err
+    assert "lccrun: elastic: lost rank 3, joined rank 4 (launch numbering); 3 ranks continue" \
+        in err, err
+    assert "DONE size 3 resets 2" in out, out
+    assert "killed by signal" not in err, err
+    _check_params(params, _reference(5, 3, after=3))
+
+
+@needs_lccrun
+@pytest.mark.timeout(480)
+def test_a_replacement_that_raises_is_named_by_its_launch_number(tmp_path):
+    """The replacement (launch number 3; rank 0 of its own spawned job) raises at epoch 1:
+    an error of the program, not a lost rank, so the job ends, and lccrun's last line names
+    launch rank 3, not rank 0."""
+    rc, out, err, _ = _run(tmp_path, 2, 5, 2, flags=["--max-np", "3"],
+                           env={"LCC_TEST_SECOND_KILL": "3:1:4:raise"})
+    assert rc == 1, f"{out[-3000:]}\n{err[-5000:]}"
+    assert "joined rank 3 (launch numbering)" in err, err
+    last = err.strip().splitlines()[-1]
+    assert last == "lccrun: rank 3 exited with code 1 (uncaught RuntimeError: launch number 3 " \
+        "fails)", err[-3000:]
+
+
+@needs_lccrun
+@pytest.mark.timeout(480)
 def test_a_blacklisted_host_gets_no_replacement(tmp_path):
     """The same kill with ``--blacklist-after 1``: this machine (``localhost`` in the host
     list) is blacklisted by the failure, no process is started, and the job finishes on the

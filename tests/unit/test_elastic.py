@@ -162,9 +162,23 @@ def test_elastic_flags_launch_with_fault_tolerance():
     assert launch.env["LCC_ELASTIC_RESET_LIMIT"] == "2" and "--with-ft" in launch.argv
 
 
+def _prtemca(argv: list[str]) -> list[str]:
+    return [argv[i + 1] + "=" + argv[i + 2] for i, a in enumerate(argv) if a == "--prtemca"]
+
+
+def test_elastic_jobs_are_recoverable_for_prrte_unless_told_otherwise():
+    """Spawned jobs (replacements) must not take the job down when they die."""
+    _, launch = _build(["-np", "3", "--max-np", "3", "python", "t.py"])
+    assert _prtemca(launch.argv) == ["state_base_recoverable=1"]
+    _, launch = _build(["-np", "3", "--max-np", "3", "--mpi-args",
+                        "--prtemca state_base_recoverable 0", "python", "t.py"])
+    assert _prtemca(launch.argv) == ["state_base_recoverable=0"]
+
+
 def test_without_elastic_flags_nothing_changes():
     spec, launch = _build(["-np", "3", "python", "t.py"])
     assert not spec.elastic and "--with-ft" not in launch.argv
+    assert "state_base_recoverable" not in launch.argv
     assert "LCC_ELASTIC_MIN_NP" not in launch.env
 
 
@@ -231,6 +245,20 @@ def test_free_slots_fill_listed_hosts_in_order_up_to_the_target():
     assert hl.free_slots(["a", "a", "b"], 3) == []
     assert hl.free_slots(["a.example.com"], 2) == [("a", 1, 2)]   # short names match
     assert hl.free_slots(["a", "a", "b"], 5, excluded=["b"]) == [("c", 2, 4)]   # blacklisted
+
+
+def test_a_host_whose_ranks_all_ended_is_excluded_from_growth():
+    """Open MPI cannot start processes there again (docs/elastic.md): hosts where members ran
+    and none runs now; not a host that still has one, nor one that never had any."""
+    from lightcc.common.elastic import growth
+
+    ran_on = ["a", "b", "b", "node7"]
+    hl = hosts_mod.HostList(4, (("a", 2), ("b", 2), ("c", 2), ("localhost", 2)),
+                            launcher="node7")
+    assert growth.vacated(hl, ["a", "a"], ran_on, False) == ["b", "localhost"]
+    assert growth.vacated(hl, ["a", "b", "node7"], ran_on, False) == []
+    excluded = growth.vacated(hl, ["a", "a", "node7"], ran_on, False)
+    assert hl.free_slots(["a", "a", "node7"], 5, excluded) == [("c", 2, 2)]
 
 
 def test_localhost_entries_belong_to_the_launchers_machine():

@@ -411,6 +411,14 @@ LOST = "uncaught ShutdownError: allreduce 'g': rank 1 exited or lost its connect
     # only consequences known (the failed rank exited 0): the first of them
     (ABORT_BANNER, [{"rank": 3, "code": 1, "what": LOST, "consequence": True, "time": 1.0}],
      "rank 3 exited with code 1"),
+    # a process that joined an elastic job (launch number 5) is rank 3 of its spawned job
+    # in prterun's banner; its record names it
+    (ABORT_BANNER, [{"rank": 5, "job_rank": 3, "code": 1, "what": "uncaught KeyError: 'x'",
+                     "time": 1.0}], "rank 5 exited with code 1 (uncaught KeyError: 'x')"),
+    # ... unless a launched process has that rank and a record of its own
+    (ABORT_BANNER, [{"rank": 5, "job_rank": 3, "code": 1, "what": "x", "time": 1.0},
+                    {"rank": 3, "code": 5, "what": "uncaught KeyError: 'y'", "time": 2.0}],
+     "rank 3 exited with code 5 (uncaught KeyError: 'y')"),
 ])
 def test_diagnose(banner, statuses, expect):
     failures = supervise.diagnose(1, banner, sorted(statuses, key=lambda r: r["time"]))

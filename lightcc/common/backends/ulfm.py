@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from ... import _exit
 from .mpi_runtime import _mpi
 
 
@@ -88,14 +89,16 @@ def spawn(comm: Any, argv: list[str], hosts: list[tuple[str, int, int]]) -> tupl
     (intercommunicator, merged intracommunicator with ``comm``'s members first).
 
     Each host is declared to PRRTE with ``PMIX_ADD_HOST`` (``host:slots``), so a host that
-    was not in the launch allocation, or more slots on one that was, can be used."""
+    was not in the launch allocation, or more slots on one that was, can be used; the
+    ``host`` key names it with the same slots (a bare name means one slot to PRRTE: two
+    processes on it failed with "not enough slots")."""
     MPI = _mpi()
     n = sum(count for _, count, _ in hosts)
     infos = []
     for host, count, slots in hosts:
         info = MPI.Info.Create()
         info.Set("PMIX_ADD_HOST", f"{host}:{slots}")
-        info.Set("host", host)
+        info.Set("host", f"{host}:{slots}")
         infos.append((count, info))
     if comm.Get_rank() == 0 and len(infos) > 1:
         inter = comm.Spawn_multiple([argv[0]] * len(infos), [argv[1:]] * len(infos),
@@ -115,6 +118,18 @@ def disconnect(inter: Any) -> None:
     try:
         inter.Disconnect()
     except Exception:  # noqa: BLE001 - a dead peer: nothing left to disconnect from
+        pass
+
+
+def free(comm: Any) -> None:
+    """Free ``comm`` (local; never raises). A communicator spanning several jobs that is
+    still alive at ``MPI_Finalize`` gets Open MPI's disconnect handshake there, which
+    crashed (``opal_net_get_hostname`` inside the TCP transport's ``add_procs``) in a joined
+    process on another host."""
+    try:
+        if comm is not None and comm != _mpi().COMM_NULL:
+            comm.Free()
+    except Exception:  # noqa: BLE001 - already freed or revoked
         pass
 
 
@@ -141,4 +156,7 @@ def join_parent() -> Any:
         return None
     merged = inter.Merge(high=True)
     Joined.inter, Joined.comm, Joined.meta = inter, merged, merged.bcast(None, root=0)
+    # lccrun's records (the rank wrapper's status file) name this process by its launch
+    # number, not by its rank in its own spawned job
+    _exit.launch_number = Joined.meta["launch"][merged.Get_rank()]
     return merged

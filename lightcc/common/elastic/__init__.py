@@ -3,8 +3,8 @@
 See docs/elastic.md."""
 from __future__ import annotations
 
-from .recovery import ElasticError, is_peer_failure, reset, run, run_fn
+from .recovery import ElasticError, is_peer_failure, launch_number, reset, run, run_fn
 from .state import HostsUpdatedInterrupt, ObjectState, State, broadcast_object
 
 __all__ = ["ElasticError", "HostsUpdatedInterrupt", "ObjectState", "State", "broadcast_object",
-           "is_peer_failure", "reset", "run", "run_fn"]
+           "is_peer_failure", "launch_number", "reset", "run", "run_fn"]

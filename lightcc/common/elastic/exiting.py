@@ -25,7 +25,8 @@ class Exit:
     hooked = False
     code = 0               # the code of sys.exit(n) after a shrink
     alive = 0              # processes in the last shrunk communicator
-    inters: list = []      # intercommunicators to joiners / to the survivors
+    inters: list = []      # (intercommunicator, launch numbers at its other end)
+    members: set = set()   # launch numbers of the current group
     leaving = False        # this rank's host left the list: it exits alone
 
 
@@ -44,7 +45,7 @@ def end_without_finalize(alive: int) -> None:
         try:
             lifecycle.shutdown()
             if not Exit.leaving:
-                for other in Exit.inters:
+                for other in connected():
                     ulfm.disconnect(other)
         finally:
             for stream in (sys.stdout, sys.stderr):
@@ -75,14 +76,30 @@ def end_without_finalize(alive: int) -> None:
     atexit.register(leave)
 
 
-def disconnect_at_exit(inter: Any) -> None:
+def connect(inter: Any, remote: list[int], members: list[int]) -> None:
+    """Remember ``inter`` (to the processes with launch numbers ``remote``) for the
+    disconnect at exit; ``members``: the group's launch numbers now."""
+    Exit.inters.append((inter, list(remote)))
+    Exit.members = set(members)
+
+
+def connected() -> list[Any]:
+    """The intercommunicators to disconnect at exit: those whose other end is still in the
+    group. Disconnecting from a process that died hangs in PRRTE (a fence over the dead
+    process: ``grpcomm`` "Not found" errors, then nothing), so those are left alone."""
+    return [inter for inter, remote in Exit.inters if set(remote) <= Exit.members]
+
+
+def disconnect_at_exit(inter: Any, remote: list[int], members: list[int]) -> None:
     """In a process that joined: at exit, shut lightcc down and disconnect from the
-    survivors, then let ``MPI_Finalize`` run (unless a later shrink ends it first)."""
-    Exit.inters.append(inter)
+    survivors (``remote``, launch numbers), then let ``MPI_Finalize`` run (unless a later
+    shrink ends it first)."""
+    connect(inter, remote, members)
 
     def disconnect() -> None:
         lifecycle.shutdown()
-        for other in Exit.inters:
+        ulfm.free(ulfm.Joined.comm)
+        for other in connected():
             ulfm.disconnect(other)
 
     atexit.register(disconnect)

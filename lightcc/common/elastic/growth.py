@@ -39,6 +39,29 @@ def without_removed(comm: Any, listed: hosts.HostList, names: list[str]) -> tupl
     return sub, stay[me]
 
 
+class _Warned:
+    vacated: set = set()      # hosts already named in the warning below
+
+
+def vacated(listed: hosts.HostList, names: list[str], ran_on: list[str], say: bool
+            ) -> list[str]:
+    """Listed hosts where members of this group ran (host names ``ran_on``) and none runs
+    now (``names``): they get no new processes (``say``: log the warning). Open MPI 5.0.11
+    cannot start processes of the job on a host again once all the launch job's processes
+    there have ended (the new ones fail in ``MPI_Init`` with "Not supported" from
+    ``dpm.c``, and the survivors would wait in the spawn until the watchdog; measured on
+    tests/netns's simulated hosts, docs/elastic.md)."""
+    here = {listed.owner(n) for n in names}
+    gone = sorted({h for h in map(listed.owner, ran_on) if h and h not in here})
+    for host in gone:
+        if say and host not in _Warned.vacated:
+            _Warned.vacated.add(host)
+            log.warning("elastic: host %s had ranks of this job and has none left: Open MPI "
+                        "cannot start new processes of the job there (docs/elastic.md); it "
+                        "gets no new ranks", host)
+    return gone
+
+
 def plan_growth(comm: Any, listed: hosts.HostList, target: int, names: list[str],
                 excluded: list[str] = ()) -> list[tuple[str, int, int]]:
     """Rank 0's plan, on every member: ``[(host, new processes, slots), ...]`` that brings

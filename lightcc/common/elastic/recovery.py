@@ -54,6 +54,7 @@ class _Membership:
         self.started = False             # run() read the first host list
         self.failures: dict[str, int] = {}   # listed host -> ranks lost there
         self.blacklist: list[str] = []       # hosts that get no new ranks
+        self.ran_on: list[str] = []          # host names where members of the group ran
 
 
 _members = _Membership()
@@ -85,6 +86,14 @@ def _current() -> Any:
         _members.launch_ranks = list(range(eng.size))
         _members.my_id, _members.next_id = ulfm.launch_rank(), eng.size
     return _members.comm
+
+
+def launch_number() -> int:
+    """This process's launch number: its rank in the job as launched, or, in a process that
+    joined the group later, the number the survivors gave it (3 ranks and a replacement:
+    0, 1, 3). It stays the same through resets; lccrun's lines use it."""
+    _adopt_join()
+    return _members.my_id if _members.my_id >= 0 else ulfm.launch_rank()
 
 
 def check_ready() -> None:
@@ -143,6 +152,7 @@ def reset() -> dict:
                 f"elastic: the group was already re-formed {_members.changes} time(s), the "
                 f"limit (--reset-limit / LCC_ELASTIC_RESET_LIMIT {cfg.elastic_reset_limit}): "
                 f"ending the job")
+        _members.ran_on = sorted(set(_members.ran_on) | set(host_of.values()))
         new, launch, joined, inter, listed, removed, banned = _change_hosts(
             new, cfg, start, [host_of.get(r, "") for r in lost])
         if new.Get_size() < cfg.elastic_min_np:
@@ -155,7 +165,8 @@ def reset() -> dict:
         _members.changes += 1
         hosts.Seen.version = listed.version
         if inter is not None:
-            exiting.Exit.inters.append(inter)
+            exiting.connect(inter, joined, launch)
+        exiting.Exit.members = set(launch)
         dropped = _readd_process_sets(sets, old_launch, launch, joined)
     finally:
         done.set()
@@ -194,8 +205,10 @@ def _change_hosts(comm: Any, cfg: config_mod.Config, start: float, lost_on: list
     need = cfg.elastic_min_np if cfg.elastic_max_np else 0
     logged = False
     while True:
-        plan = growth.plan_growth(comm, listed, cfg.elastic_max_np, growth.hostnames(comm),
-                                  _members.blacklist)
+        names = growth.hostnames(comm)
+        plan = growth.plan_growth(comm, listed, cfg.elastic_max_np, names,
+                                  _members.blacklist + growth.vacated(
+                                      listed, names, _members.ran_on, comm.Get_rank() == 0))
         offered = sum(n for _, n, _ in plan)
         if len(launch) + offered >= need:
             break
@@ -218,7 +231,8 @@ def _change_hosts(comm: Any, cfg: config_mod.Config, start: float, lost_on: list
     _members.next_id += len(joined)
     meta = {"launch": launch + joined, "next_id": _members.next_id,
             "version": listed.version, "changes": _members.changes + 1,
-            "failures": _members.failures, "blacklist": _members.blacklist}
+            "failures": _members.failures, "blacklist": _members.blacklist,
+            "ran_on": _members.ran_on}
     merged, inter = growth.grow(comm, plan, meta)
     return merged, launch + joined, joined, inter, listed, removed, banned
 
@@ -265,9 +279,12 @@ def _adopt_join() -> None:
     _members.my_id = meta["launch"][ulfm.Joined.comm.Get_rank()]
     _members.next_id, _members.changes = meta["next_id"], meta["changes"]
     _members.failures, _members.blacklist = dict(meta["failures"]), list(meta["blacklist"])
+    _members.ran_on = list(meta.get("ran_on", ()))
     _members.joined = True
     hosts.Seen.version = meta["version"]
-    exiting.disconnect_at_exit(ulfm.Joined.inter)
+    exiting.disconnect_at_exit(ulfm.Joined.inter,
+                               meta["launch"][:ulfm.Joined.inter.Get_remote_size()],
+                               meta["launch"])
 
 
 def _readd_process_sets(sets: list[tuple[Any, list[int]]], old_launch: list[int],

@@ -10,6 +10,10 @@ so that lccrun publishes it before the next commit. The victim creates the file
 $LCC_TEST_KILL_MARK (when set) just before it dies. Rank 0 prints RESET <epoch> <batch> <size>
 after each reset (where training goes on from).
 
+With LCC_TEST_SECOND_KILL=N:E:B the process with launch number N (a replacement that joined:
+``launch_number()``) kills itself the same way at epoch E, step B; with N:E:B:raise it raises
+RuntimeError there instead.
+
 Usage: train_torch.py OUT VICTIM KILL_AT [GROW_AT NEW_HOSTS]   (VICTIM -1: nobody dies)
 """
 import os
@@ -20,12 +24,15 @@ import torch
 from problem import BATCH, COMMIT, DIM, EPOCHS, LR, MOMENTUM, SEED, N, data
 
 import lightcc.torch as lcc
+from lightcc.common.elastic import launch_number
 
 
 def main() -> None:
     out, victim, kill_at = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     grow_at = int(sys.argv[4]) if len(sys.argv) > 4 else -1
-    launch_rank = int(os.environ.get("OMPI_COMM_WORLD_RANK", "0"))
+    second = os.environ.get("LCC_TEST_SECOND_KILL", "-1:-1:-1").split(":")
+    raises = second[3:] == ["raise"]
+    second = [int(v) for v in second[:3]]
     lcc.init()
     torch.manual_seed(0)
     model = torch.nn.Linear(DIM, 1)
@@ -51,7 +58,11 @@ def main() -> None:
         while state.epoch < EPOCHS:
             mine = list(state.sampler)
             for i in range(0, len(mine), BATCH):
-                if launch_rank == victim and state.epoch == 0 and state.batch == kill_at:
+                again = [launch_number(), state.epoch, state.batch] == second
+                if again and raises:
+                    raise RuntimeError(f"launch number {launch_number()} fails")
+                if again or (launch_number() == victim and state.epoch == 0
+                             and state.batch == kill_at):
                     print(f"KILL {time.time():.6f}", flush=True)
                     if os.environ.get("LCC_TEST_KILL_MARK"):
                         open(os.environ["LCC_TEST_KILL_MARK"], "w").close()
