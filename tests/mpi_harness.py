@@ -74,3 +74,14 @@ def run_mpi(np_: int, args: list[str], env: dict[str, str] | None = None,
         raise AssertionError(f"mpirun -np {np_} {' '.join(args)} exited {proc.returncode}, "
                              f"expected {expect_rc}\n--- output ---\n{out[-8000:]}")
     return result
+
+
+def tcp_links_line(rank: int) -> str:
+    """For a worker (after ``lcc.init()``): ``"rank R: tcp links on world,cross"`` naming the
+    process set 0 communicators that carry their messages over lightcc's TCP links (empty
+    after "on" when none do); tests assert on it to know which transport they exercised."""
+    from lightcc.common import api
+
+    topo = api.engine().group(0).topo
+    return f"rank {rank}: tcp links on " + ",".join(
+        c.name for c in (topo.world, topo.cross) if getattr(c, "links", None) is not None)

@@ -24,6 +24,8 @@ from lightcc.common.compression.powersgd import PowerSGDCompressor
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "workers_compression"))
 import sim  # noqa: E402
 
+from tests.mpi_harness import tcp_links_line
+
 lcc.init(fusion_threshold=1 << 20, min_compress_bytes=1024)
 R, N = lcc.rank(), lcc.size()
 LOCAL = int(os.environ.get("LCC_LOCAL_SIZE", "0") or 0)
@@ -196,8 +198,6 @@ for step in range(3):
                     state)
     check(np.concatenate([packed[i].reshape(-1) for i in (0, 2, 3)]), want, True,
           f"fused TopK step {step}")
-_topo = api.engine().group(0).topo
-print(f"rank {R}: tcp links on " + ",".join(c.name for c in (_topo.world, _topo.cross)
-                                          if getattr(c, "links", None) is not None), flush=True)
+print(tcp_links_line(R), flush=True)
 print(f"rank {R}: engine compression ok", flush=True)
 lcc.shutdown()

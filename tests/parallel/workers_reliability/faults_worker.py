@@ -14,9 +14,9 @@ import numpy as np
 
 import lightcc as lcc
 from lightcc import CollectiveError
-from lightcc.common import api
 from lightcc.common.observability import faults
 from lightcc.common.observability.faults import InjectedFault
+from tests.mpi_harness import tcp_links_line
 
 ALGOS = (sys.argv[1].split(",") if len(sys.argv) > 1
          else ["flat", "hierarchical", "2d", "ring", "tree"])
@@ -89,10 +89,7 @@ for algo in ALGOS:
     lcc.init(fusion_threshold=0, algorithm=algo)   # one bucket per tensor
     R, N = lcc.rank(), lcc.size()
     if algo == ALGOS[0]:     # which communicators carry their messages over lightcc's TCP links
-        topo = api.engine().group(0).topo
-        print(f"rank {R}: tcp links on " + ",".join(
-            c.name for c in (topo.world, topo.cross) if c is not None and c.links is not None),
-            flush=True)
+        print(tcp_links_line(R), flush=True)
     for site in ("compressor", "algorithm", "backend"):
         for victims in ([2], None, [0, 1]):
             run_case(site, algo, victims, "allreduce", f"{algo}.{site}.{victims}")
