@@ -163,8 +163,9 @@ def agree_over(comm: Any, rank: int, size: int, failed: bool, what: str,
             comm.Allreduce(MPI.IN_PLACE, [flags, MPI.UNSIGNED_CHAR], op=MPI.MAX)
         else:
             peers = [r for r in range(size) if r != rank]
+            mine = flags[rank:rank + 1].copy()     # one buffer for every send
             reqs = [links.irecv(flags[r:r + 1], r, AGREE_TAG) for r in peers]
-            reqs += [links.isend(flags[rank:rank + 1].copy(), r, AGREE_TAG) for r in peers]
+            reqs += [links.isend(mine, r, AGREE_TAG) for r in peers]
             for req in reqs:
                 req.wait()
     finally:
