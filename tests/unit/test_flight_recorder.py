@@ -50,6 +50,28 @@ def test_a_stall_error_writes_the_record_once_and_keeps_it(tmp_path):
     assert json.loads((tmp_path / "rank0.json").read_text())["reason"].startswith("StallError")
 
 
+def test_records_do_not_keep_results_alive(tmp_path):
+    """A finished collective's result (a gradient) is freed as soon as the caller drops it: the
+    ring keeping handles kept ~40 steps of a model's gradients alive, and every step's new
+    gradients were faulted into fresh memory (docs/benchmarks.md, issue 42)."""
+    import gc
+    import weakref
+
+    import numpy as np
+
+    for directory in ("", str(tmp_path)):
+        rec = FlightRecorder(rank=0, size=2, capacity=8, directory=directory)
+        h = _handle("g")
+        rec.record(h, 0.0)
+        result = np.ones(16, np.float32)
+        h._set(result=result)
+        alive = weakref.ref(result)
+        del result, h
+        gc.collect()
+        assert alive() is None
+        assert rec.snapshot()[0]["state"] == "done"
+
+
 def test_no_directory_records_but_never_writes(tmp_path):
     rec = FlightRecorder(rank=0, size=1, capacity=2, directory="")
     rec.record(_handle("a"), 0.0)
