@@ -1,6 +1,9 @@
 """Allreduce latency and bus bandwidth: lightcc (named: through the engine; unnamed: the
-direct path up to LCC_DIRECT_BYTES, through the NumPy and the torch API) vs raw mpi4py vs
-torch.distributed (gloo), side by side, in one run.
+direct path up to LCC_DIRECT_BYTES, through the NumPy and the torch API; out of place, a new
+result per call, as ``lcc.allreduce(x)`` returns; and ``dist.all_reduce`` on a lightcc process
+group) vs raw mpi4py vs torch.distributed (gloo), side by side, in one run. A second table gives
+each of those ways against the better of mpi4py and gloo, and every column's slowest call
+against its p50.
 
     lccrun -np 2 python benchmarks/allreduce.py            # or: mpirun -np 2 python ...
     lccrun -np 2 python benchmarks/allreduce.py --max-size 64MB --quick
@@ -10,7 +13,7 @@ torch.distributed (gloo), side by side, in one run.
         --sizes 4MB,16MB --algorithms auto,native --line-rate --rounds 3
 
 ``--algorithms`` runs the named lightcc column once per algorithm (``init(algorithm=...)``
-each time); ``--rounds`` repeats every column that often and reports the median of the rounds'
+each time); ``--rounds`` repeats every column (of an algorithm) that often and reports the median of the rounds'
 p50s. The peers (mpi4py, gloo, the line rate) are measured right after each lightcc column's
 size, and the ratio columns are medians of those back-to-back pairs, so a busy machine's slow
 phases hit both sides of a ratio. ``--line-rate`` adds what the link carries outside any collective: each
@@ -47,8 +50,9 @@ def parse_size(text: str) -> int:
     return int(text)
 
 
-def timed(fn, nbytes: int, budget: float, comm) -> float:
-    """p50 seconds of ``fn()`` with iterations chosen so a size takes about ``budget`` s."""
+def timed(fn, nbytes: int, budget: float, comm) -> tuple[float, float]:
+    """(p50, slowest) seconds of ``fn()`` with iterations chosen so a size takes about
+    ``budget`` s."""
     fn()
     fn()
     t0 = time.perf_counter()
@@ -60,7 +64,7 @@ def timed(fn, nbytes: int, budget: float, comm) -> float:
         t = time.perf_counter()
         fn()
         samples.append(time.perf_counter() - t)
-    return float(np.median(samples))
+    return float(np.median(samples)), float(max(samples))
 
 
 def iface_addr(name: str) -> str:
@@ -161,10 +165,12 @@ def main() -> None:
         sizes = [s for s in SIZES if s <= parse_size(args.max_size)]
     samples: dict[tuple[int, str], list[float]] = {}
     paired: dict[tuple[int, str], list[float]] = {}   # lightcc / peer bandwidth, back to back
+    worst: dict[tuple[int, str], float] = {}          # slowest call / its round's p50, max
 
     def measure(nbytes: int, col: str, fn) -> float:
-        seconds = timed(fn, nbytes, budget, comm)
+        seconds, slowest = timed(fn, nbytes, budget, comm)
         samples.setdefault((nbytes, col), []).append(seconds)
+        worst[nbytes, col] = max(worst.get((nbytes, col), 0.0), slowest / seconds)
         return seconds
 
     def peers(nbytes: int) -> dict[str, float]:
@@ -182,31 +188,43 @@ def main() -> None:
             got["sendrecv"] = measure(nbytes, "sendrecv", lambda: line.mpi(moved, into))
         return got
 
-    for _ in range(args.rounds):
-        for algo in algos:
-            lcc.init(**({"algorithm": algo} if algo else {}))
-            col = "lightcc" if algo is None else f"lightcc[{algo}]"
+    for algo in algos:
+        lcc.init(**({"algorithm": algo} if algo else {}))
+        col = "lightcc" if algo is None else f"lightcc[{algo}]"
+        apis = algo is algos[0] and not args.no_unnamed
+        group = None
+        if apis and dist is not None:
+            import lightcc.torch as lcc_torch
+
+            # the c10d backend, as DDP and dist.all_reduce users reach lightcc
+            group = dist.new_group(backend="lightcc")
+        for _ in range(args.rounds):
             for nbytes in sizes:
                 x = np.random.default_rng(rank).random(max(1, nbytes // 4), dtype=np.float32)
                 out = np.empty_like(x)
                 mine = measure(nbytes, col, lambda: lcc.allreduce(x, op=lcc.Sum, name="bench",
                                                                   out=out))
-                if algo is algos[0] and not args.no_unnamed:
+                if apis:
                     # unnamed, as most Horovod scripts call it for metrics (matched by order)
                     measure(nbytes, "lightcc-unnamed",
                             lambda: lcc.allreduce(x, op=lcc.Sum, out=out))
+                    # unnamed and out of place: a new result array per call
+                    measure(nbytes, "lightcc-new", lambda: lcc.allreduce(x, op=lcc.Sum))
                     if dist is not None:
-                        import lightcc.torch as lcc_torch
-
                         t = torch.from_numpy(x.copy())
                         # the Horovod-style torch API, unnamed (hvd.allreduce(tensor))
                         measure(nbytes, "lightcc.torch-unnamed",
                                 lambda: lcc_torch.allreduce(t, op=lcc.Sum))
+                        tc = torch.from_numpy(x.copy())
+                        measure(nbytes, "lightcc-c10d",
+                                lambda: dist.all_reduce(tc, group=group))
                 for peer, seconds in peers(nbytes).items():
                     paired.setdefault((nbytes, f"{col}/{peer}"), []).append(seconds / mine)
                 if rank == 0:
                     print(f"  measured {col} {nbytes} B", file=sys.stderr, flush=True)
-            lcc.shutdown()
+        if group is not None:
+            dist.destroy_process_group(group)
+        lcc.shutdown()
     rows = []
     for nbytes in sizes:
         rows.append((nbytes, {col: float(np.median(v)) for (b, col), v in samples.items()
@@ -214,6 +232,7 @@ def main() -> None:
                       {key: float(np.median(v)) for (b, key), v in paired.items() if b == nbytes}))
     if rank == 0:
         print_table(rows, n)
+        print_api_table(rows, worst)
     if line is not None:
         line.close()
     if dist is not None:
@@ -238,7 +257,7 @@ def print_table(rows, n: int) -> None:
     bounds = [k for k in ("tcp", "sendrecv") if k in first]
     cols = libs + peers + bounds
     factor = 2 * (n - 1) / n
-    named = [lib for lib in libs if "unnamed" not in lib]
+    named = [lib for lib in libs if lib == "lightcc" or lib.startswith("lightcc[")]
     head = ["size"] + [f"{c} p50 us" for c in cols] + [f"{c} busbw GB/s" for c in cols]
     head += [f"{lib}/{peer} bw" for lib in named for peer in peers + bounds]
     if "gloo" in peers and "lightcc-unnamed" in first:
@@ -256,6 +275,32 @@ def print_table(rows, n: int) -> None:
             cells.append(f"{res['lightcc-unnamed'] / res['gloo']:.2f}x")
             if "lightcc.torch-unnamed" in res:
                 cells.append(f"{res['lightcc.torch-unnamed'] / res['gloo']:.2f}x")
+        print("| " + " | ".join(cells) + " |")
+
+
+API_COLUMNS = ("lightcc", "lightcc-unnamed", "lightcc-new", "lightcc.torch-unnamed",
+               "lightcc-c10d")
+
+
+def print_api_table(rows, worst: dict) -> None:
+    """Each way a user calls lightcc against the better of mpi4py and gloo (p50 / p50, lower is
+    better), and each column's slowest call against its round's p50 (max over rounds): a
+    bimodal size shows there, not in the medians."""
+    first = rows[0][1]
+    cols = [c for c in API_COLUMNS if c in first]
+    peers = [k for k in ("mpi4py", "gloo") if k in first]
+    if not cols or not peers:
+        return
+    head = ["size"] + [f"{c} / best peer" for c in cols] + \
+        [f"{c} slowest/p50" for c in cols + peers]
+    print("\np50 against the better of " + " and ".join(peers) + " at each size (1.00x = as "
+          "fast; lower is better); slowest call / p50 (max over rounds)")
+    print("| " + " | ".join(head) + " |")
+    print("|" + "---|" * len(head))
+    for nbytes, res, _pairs in rows:
+        best = min(res[p] for p in peers)
+        cells = [fmt_size(nbytes)] + [f"{res[c] / best:.2f}x" for c in cols]
+        cells += [f"{worst[nbytes, c]:.1f}" for c in cols + peers]
         print("| " + " | ".join(cells) + " |")
 
 
