@@ -436,18 +436,18 @@ def test_tensor_result_does_not_depend_on_its_bucket(spec, piece_bytes, monkeypa
         assert all(run == runs[0] for run in runs), f"{spec}: tensor {t} depends on its bucket"
 
 
-def test_topk_parts_equal_the_packed_bucket_bitwise():
-    """allreduce_parts on a bucket's tensors (never packed) gives the packed allreduce's
-    sums and residuals, bit for bit, step after step."""
+def _parts_against_packed(spec: str, p: int, sizes: tuple, steps: int, check=None) -> None:
+    """Run ``spec`` on ``p`` thread ranks for ``steps`` steps, once on packed buckets and once
+    on the same tensors unpacked (allreduce_parts); assert the results are equal bit for bit
+    and call ``check(r, packed, parted, ctx)`` per rank and ``check(None, grads, bufs, ctx)``
+    per step."""
     from tests.doubles.fake_nccl import run_ranks, thread_worlds
 
-    p, sizes, steps = 3, (50_000, 3, 120_000, 9_000), 3
     ctx = _ctx(sizes)
     starts = list(ctx.offsets)
-    packed = [compression.make("topk:0.01") for _ in range(p)]
-    parted = [compression.make("topk:0.01") for _ in range(p)]
+    packed = [compression.make(spec) for _ in range(p)]
+    parted = [compression.make(spec) for _ in range(p)]
     assert all(c.takes_parts for c in parted)
-    assert not compression.make("topk:0.01:noef").takes_parts
     w1, w2 = thread_worlds(p), thread_worlds(p)
     for _ in range(steps):
         grads = [RNG.standard_normal(sum(sizes)).astype(np.float32) for _ in range(p)]
@@ -458,6 +458,41 @@ def test_topk_parts_equal_the_packed_bucket_bitwise():
             w2[r], list(zip(starts, tensors[r])), ctx))
         for r in range(p):
             np.testing.assert_array_equal(np.concatenate(tensors[r]), bufs[r])
-            for name in ctx.names:
-                np.testing.assert_array_equal(parted[r].memory.residuals[name],
-                                              packed[r].memory.residuals[name])
+            if check is not None:
+                check(r, packed[r], parted[r], ctx)
+        if check is not None:
+            check(None, grads, bufs, ctx)
+
+
+def test_topk_parts_equal_the_packed_bucket_bitwise():
+    """allreduce_parts on a bucket's tensors (never packed) gives the packed allreduce's
+    sums and residuals, bit for bit, step after step."""
+    assert not compression.make("topk:0.01:noef").takes_parts
+
+    def same_residuals(r, packed, parted, ctx):
+        for name in ctx.names if r is not None else ():
+            np.testing.assert_array_equal(parted.memory.residuals[name],
+                                          packed.memory.residuals[name])
+
+    _parts_against_packed("topk:0.01", 3, (50_000, 3, 120_000, 9_000), 3, same_residuals)
+
+
+@pytest.mark.parametrize("spec", ["fp16", "bf16", "fp8"])
+@pytest.mark.parametrize("piece_bytes", [None, 4096])      # collective / pipelined scheme
+def test_twophase_parts_equal_the_packed_bucket_bitwise(spec, piece_bytes, monkeypatch):
+    """The two-phase formats on a bucket's tensors in their own memory (allreduce_parts, never
+    packed) give the packed bucket's results bit for bit, in both schemes, with chunks and
+    pieces that cut tensors; fp16 also against a NumPy reference of the format's sum."""
+    from lightcc.common.compression import twophase
+
+    if piece_bytes:
+        monkeypatch.setattr(twophase, "PIECE_BYTES", piece_bytes)
+
+    def fp16_sum(r, grads, bufs, ctx):
+        if r is None and spec == "fp16":
+            total = np.zeros(bufs[0].size, np.float32)
+            for g in grads:                       # rank order, fp32 sums of fp16 values
+                total += g.astype(np.float16).astype(np.float32)
+            np.testing.assert_array_equal(bufs[0], total.astype(np.float16).astype(np.float32))
+
+    _parts_against_packed(spec, 3, (5_000, 3, 12_001, 900, 7), 2, fp16_sum)

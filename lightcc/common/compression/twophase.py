@@ -24,23 +24,28 @@ one, in one piece for small buckets, so no wait spins in an MPI collective.
 **Scaled formats (fp8) never cut a scaling block.** A scaled codec has a ``unit`` (elements
 per scale); its blocks start at each tensor's start (``BucketContext.spans``), chunk and piece
 boundaries are moved to the nearest block boundary, and each chunk or piece is coded tensor by
-tensor (:class:`_Layout`). Every block is then quantized alone, by every rank and again by its
+tensor (:class:`.layout.Layout`). Every block is then quantized alone, by every rank and again by its
 owner after the sum, so a tensor's result does not depend on the tensors it was fused with,
 nor on the number of pieces. Element-wise formats (fp16, bf16) are cut evenly.
+
+**Unpacked buckets** (``allreduce_parts``): the same scheme over a bucket's tensors in their own
+memory (:class:`.layout.Segments`), encoded from and decoded into them with the same codec calls
+and the same sums, so the results are bitwise those of the packed bucket; the owner sums a
+chunk that spans tensors in a scratch region of the arena.
 """
 from __future__ import annotations
 
-import bisect
 import time
 from collections import deque
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 
-from ..arrays import array_module, displacements, even_counts
+from ..arrays import array_module, displacements
 from ..arrays import num_pieces as _num_pieces
 from ..comm import Communicator
 from .base import BucketContext
+from .layout import Arena, Codec, Layout, Segments
 
 #: fp32 bytes per piece of the pipelined scheme (chunks up to this size use the collective one).
 PIECE_BYTES = 1 << 20
@@ -79,95 +84,6 @@ class _Phases:
                              **args)
 
 
-class Codec(Protocol):
-    """Encodes float32 elements of one tensor into a fixed number of bytes (a function of
-    their count); ``unit``: elements per scale, counted from the start (0: element-wise)."""
-
-    unit: int
-
-    def nbytes(self, n: int) -> int: ...
-
-    def encode_into(self, x: np.ndarray, out: np.ndarray) -> None: ...
-
-    def decode_into(self, payload: np.ndarray, n: int, out: np.ndarray,
-                    accumulate: bool) -> None: ...
-
-
-class _Arena:
-    """A reusable byte buffer handed out in consecutive views (no allocation per piece)."""
-
-    def __init__(self, buf: np.ndarray, xp_name: str = "numpy") -> None:
-        self.buf, self.used, self.xp_name = buf, 0, xp_name
-
-    def take(self, nbytes: int) -> np.ndarray:
-        view = self.buf[self.used:self.used + nbytes]
-        self.used += nbytes
-        assert self.used <= self.buf.size, "arena sized too small"
-        return view
-
-
-class _Layout:
-    """Where a buffer may be cut, and how a stretch of it is coded: one codec call for an
-    element-wise codec; for a scaled one, one call per tensor in the stretch, with stretches
-    cut only where a scaling block starts (``unit`` elements from each tensor's start)."""
-
-    def __init__(self, codec: Codec, n: int, ctx: BucketContext | None) -> None:
-        self.codec, self.n = codec, n
-        self.unit = int(getattr(codec, "unit", 0) or 0)
-        spans = ctx.spans(n) if ctx is not None and self.unit else [(0, n, 0)]
-        self.starts = [lo for lo, _, _ in spans]
-        self.ends = [hi for _, hi, _ in spans]
-
-    def snap(self, x: int) -> int:
-        """The block boundary nearest to ``x`` (the lower one on a tie)."""
-        if not self.unit or x <= 0 or x >= self.n:
-            return min(max(x, 0), self.n)
-        i = bisect.bisect_right(self.starts, x) - 1
-        lo, hi = self.starts[i], self.ends[i]
-        down = lo + (x - lo) // self.unit * self.unit
-        up = min(down + self.unit, hi)
-        return down if x - down <= up - x else up
-
-    def split(self, start: int, count: int, parts: int) -> list[int]:
-        """``count`` elements from ``start`` cut into ``parts`` nearly even sizes at block
-        boundaries (some may be 0)."""
-        cuts = [self.snap(start + off) for off in displacements(even_counts(count, parts))]
-        return [b - a for a, b in zip(cuts, cuts[1:] + [start + count])]
-
-    def lengths(self, start: int, count: int) -> list[int]:
-        """Element counts of the codec calls that code ``[start, start + count)``."""
-        if count <= 0:
-            return []
-        if not self.unit:
-            return [count]
-        out, x, end = [], start, start + count
-        i = bisect.bisect_right(self.starts, x) - 1
-        while x < end:
-            hi = min(self.ends[i], end)
-            out.append(hi - x)
-            x, i = hi, i + 1
-        return out
-
-    def nbytes(self, start: int, count: int) -> int:
-        return sum(self.codec.nbytes(m) for m in self.lengths(start, count))
-
-    def encode(self, x: Any, start: int, out: Any) -> None:
-        """Encode ``x`` (the buffer's elements from ``start``) into the payload ``out``."""
-        p = o = 0
-        for m in self.lengths(start, x.size):
-            nb = self.codec.nbytes(m)
-            self.codec.encode_into(x[p:p + m], out[o:o + nb])
-            p, o = p + m, o + nb
-
-    def decode(self, payload: Any, start: int, out: Any, accumulate: bool) -> None:
-        """Decode a payload of the buffer's elements from ``start`` into ``out``."""
-        p = o = 0
-        for m in self.lengths(start, out.size):
-            nb = self.codec.nbytes(m)
-            self.codec.decode_into(payload[o:o + nb], m, out[p:p + m], accumulate)
-            p, o = p + m, o + nb
-
-
 class TwoPhaseCompressor:
     """Reduce-scatter and allgather in a compressed element format (see module docstring).
 
@@ -177,73 +93,98 @@ class TwoPhaseCompressor:
     """
 
     lossy = True
+    takes_parts = True     # execution/host.py may hand it a bucket's tensors unpacked
 
     def __init__(self, name: str, codec: Codec) -> None:
         self.name = name
         self.codec = codec
         self._spare: dict[str, Any] = {}       # the arenas' buffers between calls, per xp
 
-    def _arena(self, nbytes: int, xp: Any = np) -> _Arena:
+    def _arena(self, nbytes: int, xp: Any = np) -> Arena:
         """An arena of at least ``nbytes`` in ``xp``'s memory (NumPy or CuPy): the kept buffer,
         or a new one (a concurrent call on the same compressor, or a larger bucket)."""
         buf = self._spare.pop(xp.__name__, None)
         if buf is None or buf.size < nbytes:
             buf = xp.empty(nbytes, np.uint8)
-        return _Arena(buf, xp.__name__)
+        return Arena(buf, xp.__name__)
 
-    def _keep(self, arena: _Arena) -> None:
+    def _keep(self, arena: Arena) -> None:
         kept = self._spare.get(arena.xp_name)
         if kept is None or kept.size < arena.buf.size:
             self._spare[arena.xp_name] = arena.buf
 
     @staticmethod
-    def _sum_into(lay: _Layout, payloads: list[np.ndarray], start: int, acc: np.ndarray) -> None:
+    def _sum_into(lay: Layout, payloads: list[np.ndarray], start: int, acc: np.ndarray) -> None:
         """``acc`` = the fp32 sum of the decoded payloads, in rank order, from zero."""
         acc.fill(0.0)
         for payload in payloads:
-            lay.decode(payload, start, acc, True)
+            lay.decode(payload, acc, start, acc.size, True)
+
+    @staticmethod
+    def _scratch(arena: Arena, seg: Segments, most: int) -> np.ndarray | None:
+        """For unpacked buckets, fp32 room to sum a chunk of up to ``most`` elements in (taken
+        first, so it is aligned); None for a contiguous buffer (sums go into it)."""
+        if len(seg.arrays) == 1:
+            return None
+        return arena.take(4 * most).view(np.float32)
+
+    @staticmethod
+    def _acc(seg: Segments, scratch: np.ndarray | None, start: int, count: int) -> np.ndarray:
+        """Where the owner sums ``[start, start + count)``: the buffer itself when the stretch
+        is contiguous there (its own copy is encoded already), else scratch."""
+        view = seg.contiguous(start, count)
+        return view if view is not None or scratch is None else scratch[:count]
 
     def allreduce(self, comm: Communicator, buf: np.ndarray, ctx: BucketContext) -> None:
         """Sum ``buf`` over ``comm`` in place (a single rank keeps ``buf`` exact)."""
+        self._reduce(comm, Segments.of(buf), ctx, array_module(buf), comm.is_device)
+
+    def allreduce_parts(self, comm: Communicator, bufs: list[tuple[int, np.ndarray]],
+                        ctx: BucketContext) -> None:
+        """:meth:`allreduce` of a host bucket held as its tensors, ``(start, 1-D float32
+        array)`` in order, never packed into one buffer: the same results, bitwise."""
+        self._reduce(comm, Segments(bufs), ctx, np, False)
+
+    def _reduce(self, comm: Communicator, seg: Segments, ctx: BucketContext, xp: Any,
+                device: bool) -> None:
         p, me = comm.size, comm.rank
-        if p == 1 or buf.size == 0:
+        if p == 1 or seg.size == 0:
             return
-        lay = _Layout(self.codec, buf.size, ctx)
-        counts = lay.split(0, buf.size, p)
+        lay = Layout(self.codec, seg.size, ctx)
+        counts = lay.split(0, seg.size, p)
         # device communicators: the collective scheme (NCCL issues point-to-point calls in
         # groups that must match on both sides, which the pipelined exchange does not)
-        k = 1 if comm.is_device else num_pieces(max(counts))
+        k = 1 if device else num_pieces(max(counts))
         if k > 1 or getattr(comm, "links", None) is not None:   # TCP links: no collectives
-            self._pipelined(comm, buf, lay, counts, k)
+            self._pipelined(comm, seg, lay, counts, k)
             return
         starts = displacements(counts)
         enc = [lay.nbytes(a, c) for a, c in zip(starts, counts)]
         estarts = displacements(enc)
         mine, c = enc[me], counts[me]
-        arena = self._arena(sum(enc) + mine * (p + 1), array_module(buf))
+        parts = len(seg.arrays) > 1
+        arena = self._arena(sum(enc) + mine * (p + 1) + (4 * c if parts else 0), xp)
+        acc = self._acc(seg, self._scratch(arena, seg, c), starts[me], c)
         phases = _Phases(comm, self.name)
         send = arena.take(sum(enc))
         for r in range(p):
-            lay.encode(buf[starts[r]:starts[r] + counts[r]], starts[r],
-                       send[estarts[r]:estarts[r] + enc[r]])
+            lay.encode(seg, starts[r], counts[r], send[estarts[r]:estarts[r] + enc[r]])
         phases.span("COMPRESS")
         recv = arena.take(mine * p)
         comm.alltoallv(send, enc, recv, [mine] * p)
         phases.start()
-        acc = buf[starts[me]:starts[me] + c]      # encoded above: free to sum into
         self._sum_into(lay, [recv[s * mine:(s + 1) * mine] for s in range(p)], starts[me], acc)
         own = arena.take(mine)
-        lay.encode(acc, starts[me], own)
+        lay.encode(acc, starts[me], c, own)
         phases.span("DECOMPRESS_ACCUMULATE_RECOMPRESS")
         comm.allgatherv(own, send, enc)
         phases.start()
         for r in range(p):
-            lay.decode(send[estarts[r]:estarts[r] + enc[r]], starts[r],
-                       buf[starts[r]:starts[r] + counts[r]], False)
+            lay.decode(send[estarts[r]:estarts[r] + enc[r]], seg, starts[r], counts[r], False)
         phases.span("DECOMPRESS")
         self._keep(arena)
 
-    def _pipelined(self, comm: Communicator, buf: np.ndarray, lay: _Layout, counts: list[int],
+    def _pipelined(self, comm: Communicator, seg: Segments, lay: Layout, counts: list[int],
                    k: int) -> None:
         """Both phases per piece over point-to-point calls (see module docstring).
 
@@ -260,11 +201,11 @@ class TwoPhaseCompressor:
         nb = [[lay.nbytes(a, m) for a, m in zip(srow, row)] for srow, row in zip(starts, sizes)]
         others = [(me + d) % p for d in range(1, p)]
         # sends and receives of every piece once, plus p copies of my pieces and their sums
-        arena = self._arena(2 * sum(map(sum, nb)) + (p - 1) * sum(nb[me]))
+        # (and, unpacked, room to sum my largest piece in)
+        most = max(sizes[me]) if len(seg.arrays) > 1 else 0
+        arena = self._arena(4 * most + 2 * sum(map(sum, nb)) + (p - 1) * sum(nb[me]))
+        scratch = self._scratch(arena, seg, most)
         phases = _Phases(comm, self.name)
-
-        def piece(r: int, j: int) -> np.ndarray:
-            return buf[starts[r][j]:starts[r][j] + sizes[r][j]]
 
         # copies[j][s]: rank s's encoding of my piece j (mine encoded into slot me); tags j
         copies = [[arena.take(nb[me][j]) for _ in range(p)] for j in range(k)]
@@ -282,14 +223,14 @@ class TwoPhaseCompressor:
         pump = getattr(comm, "progress", None) or _idle   # the engine's hook between pieces
 
         def finish_piece(j: int) -> None:
-            n = sizes[me][j]
+            n, a = sizes[me][j], starts[me][j]
             if n:
-                acc = piece(me, j)            # my copy is encoded: sum in place
-                self._sum_into(lay, copies[j], starts[me][j], acc)
+                acc = self._acc(seg, scratch, a, n)   # my copy is encoded: sum there
+                self._sum_into(lay, copies[j], a, acc)
                 out = arena.take(nb[me][j])
-                lay.encode(acc, starts[me][j], out)
+                lay.encode(acc, a, n, out)
                 sends.extend(comm.isend(out, r, tag=k + j) for r in others)
-                lay.decode(out, starts[me][j], acc, False)
+                lay.decode(out, seg, a, n, False)
 
         def decode_next(block: bool) -> bool:
             """Decode the next sum of another rank's piece if it has arrived (or wait for it)."""
@@ -297,17 +238,17 @@ class TwoPhaseCompressor:
                 return False
             r, j, b, req = phase2.popleft()
             req.wait()
-            lay.decode(b, starts[r][j], piece(r, j), False)
+            lay.decode(b, seg, starts[r][j], sizes[r][j], False)
             return True
 
         for j in range(k):
             for r in others:
                 if sizes[r][j]:
                     e = arena.take(nb[r][j])
-                    lay.encode(piece(r, j), starts[r][j], e)
+                    lay.encode(seg, starts[r][j], sizes[r][j], e)
                     sends.append(comm.isend(e, r, tag=j))
             if sizes[me][j]:
-                lay.encode(piece(me, j), starts[me][j], copies[j][me])
+                lay.encode(seg, starts[me][j], sizes[me][j], copies[j][me])
             while done <= j and all(req.test() for req in phase1[done]):
                 finish_piece(done)
                 done += 1
@@ -348,7 +289,7 @@ class TwoPhaseCompressor:
 
     def _encoded_chunks(self, numel: int, nranks: int, ctx: BucketContext | None) -> list[int]:
         """Encoded bytes of each rank's chunk (summed over its pieces when pipelined)."""
-        lay = _Layout(self.codec, numel, ctx)
+        lay = Layout(self.codec, numel, ctx)
         counts = lay.split(0, numel, nranks)
         k = num_pieces(max(counts))
         out = []

@@ -2,8 +2,8 @@
 process set's communicators -> unpack with the average folded in. Runs on the engine thread.
 
 A single tensor whose reduction dtype is its own is reduced in place in its output (no fusion
-buffer); a TopK bucket of float32 tensors written in place is reduced in the tensors' own memory
-(:func:`_allreduce_parts`).
+buffer); a compressed bucket of float32 tensors written in place (TopK with error feedback,
+fp16, bf16, fp8) is reduced in the tensors' own memory (:func:`_allreduce_parts`).
 """
 from __future__ import annotations
 
@@ -31,7 +31,9 @@ def allreduce(group: Group, plan: BucketPlan, resps: list, entries: list) -> lis
     comp = faults.wrap_compressor(plan.compressor) if plan.compressor is not None else None
     inplace = len(resps) == 1 and rdt == dtypes.SUPPORTED[req.dtype] and entries[0] is not None
     if not inplace and _takes_parts(plan, req, comp, entries):
-        return _allreduce_parts(group, plan, resps, entries, comp, t0)
+        comm = _whole_bucket_comm(plan.algorithm, group.topo)
+        if comm is not None:
+            return _allreduce_parts(group, comm, plan, resps, entries, comp, t0)
     if inplace:
         result = _inplace_buffer(entries[0], rdt)
         buf = result.reshape(-1)
@@ -121,8 +123,9 @@ def _unpack(buf: np.ndarray, resps: list, entries: list, offsets: tuple, sizes: 
 
 def _takes_parts(plan: BucketPlan, req: Any, comp: Any, entries: list) -> bool:
     """Whether a fused bucket is reduced as its tensors, without packing (``_allreduce_parts``):
-    a compressor that can (TopK with error feedback), float32 tensors written in place,
-    and an algorithm that hands the compressor the whole bucket over the world."""
+    a compressor that can (TopK with error feedback, the two-phase formats), float32 tensors
+    written in place, and an algorithm that hands the compressor the whole bucket
+    (:func:`_whole_bucket_comm`)."""
     if comp is None or not getattr(comp, "takes_parts", False) or faults.enabled():
         return False
     if req.dtype != "float32" or req.prescale != 1.0 or \
@@ -132,15 +135,26 @@ def _takes_parts(plan: BucketPlan, req: Any, comp: Any, entries: list) -> bool:
         if e is None or e.out is None or e.out.dtype != np.float32 or \
                 not e.out.flags.c_contiguous:
             return False
-    return plan.algorithm in ("flat", "ring")
+    return True
 
 
-def _allreduce_parts(group: Group, plan: BucketPlan, resps: list, entries: list, comp: Any,
-                     t0: float) -> list[Any]:
+def _whole_bucket_comm(algorithm: str, topo: Any) -> Any:
+    """The communicator over which ``algorithm`` gives a compressor the whole bucket, or None:
+    ``flat`` and ``ring`` over the world; ``native`` and ``hierarchical`` over the hosts when
+    every host runs one rank (their only phase is then the compressed one across hosts)."""
+    if algorithm in ("flat", "ring"):
+        return topo.world
+    if algorithm in ("native", "hierarchical") and topo.is_homogeneous and topo.local.size == 1:
+        return topo.cross
+    return None
+
+
+def _allreduce_parts(group: Group, comm: Any, plan: BucketPlan, resps: list, entries: list,
+                     comp: Any, t0: float) -> list[Any]:
     """A fused bucket reduced without packing: the compressor works on the tensors' own memory
-    (``allreduce_parts``), with the results, residuals and wire bytes of the packed path. Saves
-    copying the bucket in and out (resmlp's 25 MB TopK bucket: ~8 ms of a 90 ms step at 1
-    Gbit)."""
+    (``allreduce_parts``) over ``comm``, with the results, residuals and wire bytes of the
+    packed path. Saves copying the bucket in and out (resmlp's 25 MB TopK bucket: ~8 ms of a
+    90 ms step at 1 Gbit)."""
     req = resps[0].request
     outs = []
     for e in entries:
@@ -149,7 +163,7 @@ def _allreduce_parts(group: Group, plan: BucketPlan, resps: list, entries: list,
         outs.append(e.out.reshape(-1))
     bctx = bucket_context(group.step, resps, entries, plan.sizes)
     t1 = time.perf_counter() if group.tracer.enabled else 0.0
-    comp.allreduce_parts(group.topo.world, list(zip(bctx.offsets, outs)), bctx)
+    comp.allreduce_parts(comm, list(zip(bctx.offsets, outs)), bctx)
     factor = float_factor(req.op, group.topo.size, req.postscale)
     if factor != 1.0:
         for out in outs:
