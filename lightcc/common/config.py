@@ -208,6 +208,13 @@ KNOBS: tuple[Knob, ...] = (
          "GPU allreduce buckets are copied once to pinned host memory, reduced there by the "
          "host algorithm and compressor over MPI (inside and across nodes), and copied back "
          "(for PCIe-only machines, ACSpeed's CPU-Reduce).", ),
+    Knob("deterministic", "LCC_DETERMINISTIC", _parse_bool, False, "",
+         "float32 sums through the engine on 3 or more ranks add every rank's value in rank "
+         "order, element by element, so a tensor's result is bitwise the same whatever its "
+         "bucket, offset, fusion threshold or partition (cross-barrier mode then equals barrier "
+         "mode bit for bit at any rank count; 2-rank sums are order-free anyway). Host "
+         "tensors, uncompressed; the unnamed direct path and GPU buckets are not covered "
+         "(docs/cross-barrier.md)."),
     Knob("timeline", "LCC_TIMELINE", _parse_str, "", "path",
          "Write a Chrome/Perfetto trace of every collective to this file.", ),
     Knob("timeline_all_ranks", "LCC_TIMELINE_ALL_RANKS", _parse_bool, False, "",
@@ -296,6 +303,7 @@ class Config:
     overlap: str
     backend: str
     cpu_reduce: bool
+    deterministic: bool
     timeline: str
     timeline_all_ranks: bool
     autotune: str

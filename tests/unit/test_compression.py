@@ -496,3 +496,29 @@ def test_twophase_parts_equal_the_packed_bucket_bitwise(spec, piece_bytes, monke
             np.testing.assert_array_equal(bufs[0], total.astype(np.float16).astype(np.float32))
 
     _parts_against_packed(spec, 3, (5_000, 3, 12_001, 900, 7), 2, fp16_sum)
+
+
+def test_ordered_sum_is_rank_order_and_independent_of_offset():
+    """LCC_DETERMINISTIC's exact two-phase sum: every element is 0 + x0 + x1 + x2 in float32
+    (NumPy, in rank order), whatever its offset in the bucket and in both schemes."""
+    from lightcc.common.compression import twophase
+    from lightcc.common.compression.fp import ordered_sum
+    from tests.doubles.fake_nccl import run_ranks, thread_worlds
+
+    p, n = 3, 300_001
+    rng = np.random.default_rng(7)
+    xs = [(rng.standard_normal(n) * 10.0 ** rng.integers(-3, 4, n)).astype(np.float32)
+          for _ in range(p)]
+    want = np.zeros(n, np.float32)
+    for x in xs:
+        want += x
+    for shift, piece in ((0, twophase.PIECE_BYTES), (12_345, twophase.PIECE_BYTES), (7, 4096)):
+        comps, worlds = [ordered_sum() for _ in range(p)], thread_worlds(p)
+        bufs = [np.concatenate([np.ones(shift, np.float32), x]) for x in xs]
+        saved, twophase.PIECE_BYTES = twophase.PIECE_BYTES, piece
+        try:
+            run_ranks(p, lambda r: comps[r].allreduce(worlds[r], bufs[r], _ctx((bufs[r].size,))))
+        finally:
+            twophase.PIECE_BYTES = saved
+        for b in bufs:
+            np.testing.assert_array_equal(b[shift:], want)

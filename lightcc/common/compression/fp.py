@@ -115,6 +115,33 @@ def make_fp8(options: list[str], default_fmt: str = "e4m3") -> TwoPhaseCompresso
                               FloatCodec(fc.FORMATS[fmt], scaling, bs))
 
 
+class RawCodec:
+    """float32 sent as it is: the two-phase scheme with this codec is an exact allreduce in
+    which every element is summed in rank order (0 + x0 + x1 + ...) by its chunk's owner, so
+    its bits do not depend on where the element lies in a bucket (``LCC_DETERMINISTIC``)."""
+
+    unit = 0
+
+    def nbytes(self, n: int) -> int:
+        return 4 * n
+
+    def encode_into(self, x: np.ndarray, out: np.ndarray) -> None:
+        out.view(np.float32)[:] = x
+
+    def decode_into(self, payload: np.ndarray, n: int, out: np.ndarray,
+                    accumulate: bool) -> None:
+        values = payload.view(np.float32)
+        if accumulate:
+            out += values
+        else:
+            out[:] = values
+
+
+def ordered_sum() -> TwoPhaseCompressor:
+    """The exact, rank-ordered float32 sum (:class:`RawCodec`); not a user-facing format."""
+    return TwoPhaseCompressor("ordered", RawCodec())
+
+
 register("fp16", make_fp16)
 register("bf16", make_bf16)
 register("fp8", make_fp8)

@@ -36,6 +36,7 @@ class ExecSettings:
     auto: AutoThresholds = AutoThresholds()
     backend: str = "auto"            # device arrays: auto, nccl, mpi (LCC_BACKEND)
     cpu_reduce: bool = False         # device buckets reduced on the host (LCC_CPU_REDUCE)
+    deterministic: bool = False      # float32 sums in rank order (LCC_DETERMINISTIC)
     autotune_cache: str = ""         # compression=auto's cache file ("": the default path)
     autotune_refresh: bool = False   # LCC_AUTOTUNE=refresh: decide anew, overwrite the entry
 
@@ -45,7 +46,8 @@ class ExecSettings:
                    min_compress_bytes=cfg.min_compress_bytes,
                    ring_chunk_bytes=cfg.ring_chunk_bytes, mpi_chunk_bytes=cfg.mpi_chunk_bytes,
                    ef_ttl_steps=cfg.ef_ttl_steps, backend=cfg.backend,
-                   cpu_reduce=cfg.cpu_reduce, autotune_cache=cfg.autotune_cache,
+                   cpu_reduce=cfg.cpu_reduce, deterministic=cfg.deterministic,
+                   autotune_cache=cfg.autotune_cache,
                    autotune_refresh=cfg.autotune == "refresh",
                    auto=AutoThresholds(small_bytes=cfg.auto_small_bytes,
                                        hierarchical_bytes=cfg.auto_multinode_bytes,

@@ -29,9 +29,12 @@ def allreduce(group: Group, plan: BucketPlan, resps: list, entries: list) -> lis
     t0 = time.perf_counter() if group.tracer.enabled else 0.0
     rdt = reduce_dtype(req.dtype)
     comp = faults.wrap_compressor(plan.compressor) if plan.compressor is not None else None
+    ordered = comp is None and _in_rank_order(group, req, rdt)
+    if ordered:
+        comp = _ordered_sum()
     inplace = len(resps) == 1 and rdt == dtypes.SUPPORTED[req.dtype] and entries[0] is not None
     if not inplace and _takes_parts(plan, req, comp, entries):
-        comm = _whole_bucket_comm(plan.algorithm, group.topo)
+        comm = group.topo.world if ordered else _whole_bucket_comm(plan.algorithm, group.topo)
         if comm is not None:
             return _allreduce_parts(group, comm, plan, resps, entries, comp, t0)
     if inplace:
@@ -49,8 +52,12 @@ def allreduce(group: Group, plan: BucketPlan, resps: list, entries: list) -> lis
     if needs_nan_mask(req.dtype, req.op):
         mask = nan_mask(buf)
         group.topo.world.allreduce(mask, "max")
-    plan.reduce(buf, dtypes.backend_op(req.op, req.dtype), group.topo, comp, bctx)
-    used = plan.algorithm
+    if ordered:       # the whole bucket over the world, every element summed in rank order
+        comp.allreduce(group.topo.world, buf, bctx)
+        used = "ordered"
+    else:
+        plan.reduce(buf, dtypes.backend_op(req.op, req.dtype), group.topo, comp, bctx)
+        used = plan.algorithm
     if mask is not None:
         restore_nans(buf, mask)
     if faults.enabled():   # the bucket's communication is complete on this rank
@@ -77,6 +84,26 @@ def allreduce(group: Group, plan: BucketPlan, resps: list, entries: list) -> lis
         group.tracer.span(bucket_label(resps), "UNPACK", t2, t3, tensors=len(resps))
         trace_members(group.tracer, resps, t0, t3)
     return results
+
+
+_ORDERED: list = []
+
+
+def _ordered_sum() -> Any:
+    """The process's rank-ordered sum (one instance, so its arena is reused)."""
+    if not _ORDERED:
+        from ..compression.fp import ordered_sum
+
+        _ORDERED.append(ordered_sum())
+    return _ORDERED[0]
+
+
+def _in_rank_order(group: Group, req: Any, rdt: np.dtype) -> bool:
+    """``LCC_DETERMINISTIC``: an uncompressed float32 sum on 3 or more ranks is reduced with
+    every element summed in rank order (its bits then do not depend on its bucket or offset;
+    with 2 ranks the order cannot change a sum)."""
+    return group.settings.deterministic and rdt == np.float32 and group.topo.size >= 3 and \
+        dtypes.backend_op(req.op, req.dtype) == "sum"
 
 
 def _inplace_buffer(entry: Any, rdt: np.dtype) -> Any:
