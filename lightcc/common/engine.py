@@ -35,13 +35,14 @@ from .control.messages import COLL_NAMES, ORDERED, SHARED_STREAM, Coll, Request
 from .control.negotiation import demote_after
 from .control.negotiator import Negotiator
 from .control.transport import ControlPlane
-from .exceptions import DuplicateNameError, InvalidArgumentError, LightCCError, ShutdownError
+from .exceptions import DuplicateNameError, InvalidArgumentError, LightCCError
 from .execution import fusion
 from .execution.batches import BatchRunner
 from .execution.group import ExecSettings, Group
 from .execution.shared import LocalEntry
 from .handle import Handle
 from .observability import flight
+from .status import EngineStatus
 from .topology import build, overlap_in_background
 from .tracing import NULL, Tracer
 
@@ -104,11 +105,7 @@ class Engine(ControlLink, BatchRunner):
         self._inflight: dict[tuple, LocalEntry] = {}
         self._streams: dict[tuple[int, int], deque] = {}   # (pset, stream) -> entries
         self._seq: dict[tuple[int, int], int] = {}          # (pset, stream) -> next seq
-        self._joined = False
-        self._stopping = False
-        self._dead: BaseException | None = None
-        self._coordinator_gone = ""
-        self.gone_ranks: frozenset[int] = frozenset()   # ranks that shut down or exited
+        self.status = EngineStatus()         # what others may read (written here only)
         self._closed_seen: set[int] = set()
         self._counters: dict[tuple[int, int], itertools.count] = {}
         self.lazy = not overlap_in_background(config.overlap, self.topo)
@@ -167,7 +164,7 @@ class Engine(ControlLink, BatchRunner):
         handle = Handle(request, self)
         now = time.perf_counter()
         with self._lock:
-            self._check_alive()
+            self.status.check()
             if stream is None:
                 key = request.key
                 if key in self._inflight:
@@ -205,19 +202,18 @@ class Engine(ControlLink, BatchRunner):
             self.flight.record(handle, now)
         return handle
 
-    def _check_alive(self) -> None:
-        if self._dead is not None:
-            raise LightCCError(f"lightcc's background thread stopped: {self._dead}") \
-                from self._dead
-        if self._coordinator_gone:
-            raise ShutdownError(self._coordinator_gone)
-        if self._stopping:
-            raise ShutdownError("lightcc is shutting down on this rank")
+    def mark_joined(self) -> None:
+        """``join()`` ran on this rank: its share of allreduces is zeros until the JOIN runs."""
+        self.status.joined = True
+
+    def has_queued(self) -> bool:
+        """Submissions not yet reported to the control tree (an unlocked peek)."""
+        return bool(self._queue)
 
     def shutdown(self, timeout: float) -> None:
         """Stop the thread; pending handles fail with ShutdownError. Never blocks past timeout."""
         with self._lock:
-            self._stopping = True
+            self.status.stopping = True
         with self._cv:
             self._cv.notify_all()
         self._plane.wake()
@@ -242,7 +238,7 @@ class Engine(ControlLink, BatchRunner):
             self._drivers += 1
         try:
             while not handle._done:
-                if self._dead is not None or self._stopping:
+                if self.status.stopped():
                     return
                 wait = MAX_WAIT_S
                 if deadline is not None:
@@ -269,7 +265,7 @@ class Engine(ControlLink, BatchRunner):
         that waits outside the engine, on the direct path, starts the work it queued)."""
         if self._progress.acquire(blocking=False):
             try:
-                if self._dead is None and not self._stopping:
+                if not self.status.stopped():
                     self._step(0.0, None)
             finally:
                 self._progress.release()
@@ -292,9 +288,9 @@ class Engine(ControlLink, BatchRunner):
         try:
             while True:
                 with self._cv:
-                    while self._drivers and not self._stopping:
+                    while self._drivers and not self.status.stopping:
                         self._cv.wait()
-                if self._stopping:
+                if self.status.stopping:
                     with self._progress:
                         self._step(0.0, None)
                         self._stop_thread()
@@ -315,7 +311,7 @@ class Engine(ControlLink, BatchRunner):
         except BaseException as exc:  # never die silently: fail everything that waits
             log.exception("lightcc background thread failed")
             with self._lock:
-                self._dead = exc
+                self.status.dead = exc
                 entries = list(self._inflight.values()) + self._backlog_entries()
                 self._inflight.clear()
                 self._queue.clear()
@@ -359,7 +355,7 @@ class Engine(ControlLink, BatchRunner):
                 return 0.0
             timeout = self._sleep_time(wait, hold)
             self._bg_sleeping = True
-            if (self._queue and (hold <= 0.0 or self._urgent)) or self._stopping \
+            if (self._queue and (hold <= 0.0 or self._urgent)) or self.status.stopping \
                     or self._drivers:             # (_urgent: set by expedite before it
                 self._bg_sleeping = False         # could see _bg_sleeping)
                 return 0.0
@@ -367,7 +363,7 @@ class Engine(ControlLink, BatchRunner):
         timeout = 0.0 if progressed else self._sleep_time(wait, hold)
         if timeout > 0.0:
             self._drv_sleeping = True          # submit() wakes this poll from here on
-            if self._queue or self._stopping or (handle is not None and handle._done):
+            if self._queue or self.status.stopping or (handle is not None and handle._done):
                 timeout = 0.0
         try:
             frames = self._plane.poll(timeout)

@@ -50,7 +50,6 @@ MIXINS = {
 #: Private reads across modules still there: "path below lightcc/" -> the attribute names
 #: (may only shrink).
 PRIVATE_READS = {
-    "common/api/collectives.py": {"_check_alive", "_joined"},
     "common/api/lifecycle.py": {"_engine", "_lock"},
     "common/backends/mpi.py": {"_typedict"},
     "common/compression/autoprobe.py": {"_compressor"},
@@ -65,10 +64,7 @@ PRIVATE_READS = {
                          "_stop_thread"},
     "common/execution/batches.py": {"_backlog", "_coordinate", "_direct", "_done", "_drivers",
                                     "_inflight", "_lingering", "_lock", "_plans", "_pump",
-                                    "_remote_shutdown", "_send_up", "_seq", "_stopping",
-                                    "_streams"},
-    "common/execution/direct.py": {"_coordinator_gone", "_dead", "_done", "_error", "_queue",
-                                   "_stopping"},
+                                    "_remote_shutdown", "_send_up", "_seq", "_streams"},
     "common/execution/run.py": {"_set"},
     "common/kernels/ef_topk.py": {"_ef_gather"},
     "common/mca.py": {"_Environ"},
@@ -85,10 +81,9 @@ PRIVATE_READS = {
     "torch/c10d/movement.py": {"_kw", "_merge", "_route", "_what", "_work"},
     "torch/c10d/p2p.py": {"_keep", "_timeout", "_what"},
     "torch/collectives.py": {"_reset_hooks"},
-    "torch/cross_barrier.py": {"_dead", "_done", "_finish", "_groups", "_handles",
-                               "_hook_handles", "_opt", "_parameter_names", "_priority",
-                               "_requires_update", "_should_synchronize", "_stopping",
-                               "_submit_missing", "_waiter"},
+    "torch/cross_barrier.py": {"_finish", "_groups", "_handles", "_hook_handles", "_opt",
+                               "_parameter_names", "_priority", "_requires_update",
+                               "_should_synchronize", "_submit_missing"},
     "torch/elastic/state.py": {"_handlers"},
     "torch/functions.py": {"_opt"},
     "torch/sync_batch_norm.py": {"_allreduce_submit"},

@@ -32,7 +32,7 @@ class ControlLink:
         order) and on closed peers."""
         progressed = bool(frames)
         self._take_frames(frames)
-        while self._inbox and not self._coordinator_gone:   # _pump may add to it meanwhile
+        while self._inbox and not self.status.shut_down:   # _pump may add to it meanwhile
             self._handle_batch(self._inbox.popleft())
         if len(self._plane.closed) != len(self._closed_seen):
             self._peers_closed()
@@ -58,7 +58,7 @@ class ControlLink:
     def _send_up(self) -> None:
         """This rank's report to its parent (rank 0: into the coordinator), if any."""
         data = self.neg.outgoing()
-        if data is not None and not self._coordinator_gone:
+        if data is not None and not self.status.shut_down:
             self._plane.send(self.neg.parent, data)
 
     def _handle_batch(self, data: bytes) -> None:
@@ -135,7 +135,7 @@ class ControlLink:
             self.neg.child_lost(child)
         if lost:
             self._send_up()
-        if parent in new and not self._coordinator_gone:
+        if parent in new and not self.status.shut_down:
             reason = ("rank 0 (the coordinator) closed its connection (it exited or called "
                       "shutdown())" if parent == 0 else
                       f"rank {parent}, this rank's relay to rank 0 in the control tree, closed "
@@ -147,9 +147,9 @@ class ControlLink:
     # ---- execution ---------------------------------------------------------------------------
 
     def _remote_shutdown(self, reason: str) -> None:
-        self._coordinator_gone = f"lightcc was shut down on all ranks: {reason}"
+        self.status.shut_down = f"lightcc was shut down on all ranks: {reason}"
         self._fail_all(lambda e: ShutdownError(f"{e.handle.request.describe()}: "
-                                               f"{self._coordinator_gone}"))
+                                               f"{self.status.shut_down}"))
 
     def _stop_thread(self) -> None:
         self._fail_all(lambda e: ShutdownError(f"{e.handle.request.describe()} was pending when "
@@ -158,7 +158,7 @@ class ControlLink:
             data = Batch(shutdown="rank 0 (the coordinator) called shutdown()").encode()
             for child in self.neg.children:
                 self._plane.send(child, data)
-        elif not self._coordinator_gone:
+        elif not self.status.shut_down:
             self.neg.submit_shutdown()
             self._send_up()
             if self.neg.children:
@@ -172,7 +172,7 @@ class ControlLink:
         self._lingering = True
         deadline = time.monotonic() + 0.8 * self.config.shutdown_timeout
         children = set(self.neg.children)
-        while not children <= self._plane.closed and not self._coordinator_gone:
+        while not children <= self._plane.closed and not self.status.shut_down:
             left = deadline - time.monotonic()
             if left <= 0 or self.neg.parent in self._plane.closed:
                 log.info("shut down with ranks %s still connected through this rank",

@@ -62,7 +62,7 @@ class BatchRunner:
         if batch.settings:
             self._apply_settings(batch.settings)
         if batch.gone:
-            self.gone_ranks = frozenset(batch.gone)
+            self.status.gone_ranks = frozenset(batch.gone)
         entries: list = []
         with self._lock:          # one acquisition for the whole batch
             for item, resp in zip(batch.items, responses):
@@ -117,9 +117,9 @@ class BatchRunner:
                     if not first.error and req.coll in (Coll.ADD_PSET, Coll.REMOVE_PSET):
                         self._change_psets(first)     # the engine's groups change here
                     if run_bucket(self.groups.get(req.pset), [responses[i] for i in bucket],
-                                  [entries[i] for i in bucket], self._joined, self.tracer,
+                                  [entries[i] for i in bucket], self.status.joined, self.tracer,
                                   self._notify) and req.coll == Coll.JOIN:
-                        self._joined = False
+                        self.status.joined = False
                 backlog.popleft()
                 for pset in work.touched:
                     group = self.groups.get(pset)
@@ -144,7 +144,7 @@ class BatchRunner:
         the backlog (handing the engine back and forth between threads costs more than the
         buckets it would leave: a thread that must not wait for the rest waits without
         driving, as cross-barrier mode's pre-forward hooks do)."""
-        return self._driving_for is None and self._drivers > 0 and not self._stopping
+        return self._driving_for is None and self._drivers > 0 and not self.status.stopping
 
     def _backlog_entries(self) -> list:
         """Take the entries of every bucket not yet executed (to fail their handles; those of
