@@ -20,7 +20,6 @@ deadline (cycle time, stall scan) passes. So lightcc's waiting costs no CPU that
 """
 from __future__ import annotations
 
-import itertools
 import logging
 import threading
 import time
@@ -31,18 +30,18 @@ from .backends.mpi import MPICommunicator
 from .config import Config
 from .control.controller import Coordinator
 from .control.link import MAX_WAIT_S, ControlLink
-from .control.messages import COLL_NAMES, ORDERED, SHARED_STREAM, Coll, Request
+from .control.messages import SHARED_STREAM, Coll, Request
 from .control.negotiation import demote_after
 from .control.negotiator import Negotiator
 from .control.transport import ControlPlane
-from .exceptions import DuplicateNameError, InvalidArgumentError, LightCCError
+from .exceptions import InvalidArgumentError, LightCCError
 from .execution import fusion
 from .execution.batches import BatchRunner
 from .execution.group import ExecSettings, Group
-from .execution.shared import LocalEntry
 from .handle import Handle
 from .observability import flight
 from .status import EngineStatus
+from .submissions import Submissions
 from .topology import build, overlap_in_background
 from .tracing import NULL, Tracer
 
@@ -52,16 +51,6 @@ LAZY_FLUSH_S = 1.0          # lazy mode: the background thread sends what waited
 GATHER_S = 0.005           # eager mode: during a burst, the background thread sends at most
                             # this often (one control message for many gradients, not one each)
 DRIVER_LOCK_WAIT_S = 0.002  # a driver that finds another thread stepping re-checks this often
-
-
-def _stream_name(coll: Coll, stream: int, seq: int, label: str | None) -> str:
-    """The name of an ordered request: its label, else Horovod's generated name for per-type
-    streams (``allreduce.noname.7``) or ``ordered.7`` on the shared stream."""
-    if label is not None:
-        return label
-    if stream == SHARED_STREAM:
-        return f"ordered.{seq}"
-    return f"{COLL_NAMES[Coll(stream)]}.noname.{seq}"
 
 
 class Engine(ControlLink, BatchRunner):
@@ -95,22 +84,15 @@ class Engine(ControlLink, BatchRunner):
         self.cache, self.sigcache = self.neg.cache, self.neg.sigcache
         self._inbox: deque = deque()         # batches from the parent, not yet handled
         self._lingering = False              # shut down here, still relaying for children
-        self._lock = threading.Lock()        # queue, in-flight table, sequence numbers
+        self.submissions = Submissions(self.rank)   # queue, in-flight table, streams
         self._progress = threading.Lock()    # serializes _step(): every MPI call is under it
         self._cv = threading.Condition()     # guards _drivers
         self._drivers = 0                    # user threads currently driving progress
         self._bg_sleeping = False            # the background thread is (about to be) asleep
         self._drv_sleeping = False           # a driving thread is (about to be) blocked
-        self._queue: list[LocalEntry] = []
-        self._inflight: dict[tuple, LocalEntry] = {}
-        self._streams: dict[tuple[int, int], deque] = {}   # (pset, stream) -> entries
-        self._seq: dict[tuple[int, int], int] = {}          # (pset, stream) -> next seq
         self.status = EngineStatus()         # what others may read (written here only)
         self._closed_seen: set[int] = set()
-        self._counters: dict[tuple[int, int], itertools.count] = {}
         self.lazy = not overlap_in_background(config.overlap, self.topo)
-        self._queued_at = 0.0                # when the oldest queued entry was queued
-        self._urgent = False                 # the queue holds work nobody may hold back
         self._flushed_at = 0.0               # when the queue was last sent (burst gathering)
         self._plans: dict[tuple, list[list[int]]] = {}   # see _plan()
         self._backlog: deque = deque()       # agreed buckets not yet executed (_run_backlog)
@@ -124,9 +106,7 @@ class Engine(ControlLink, BatchRunner):
     # ---- user-thread API ---------------------------------------------------------------------
     def auto_name(self, coll: Coll, pset: int = 0) -> str:
         """Horovod-style generated name; counters are per collective type and process set."""
-        with self._lock:
-            counter = self._counters.setdefault((int(coll), pset), itertools.count())
-            return f"{coll.name.lower()}.noname.{next(counter)}"
+        return self.submissions.auto_name(coll, pset)
 
     @property
     def fusion_threshold(self) -> int:
@@ -163,38 +143,14 @@ class Engine(ControlLink, BatchRunner):
         """
         handle = Handle(request, self)
         now = time.perf_counter()
-        with self._lock:
-            self.status.check()
-            if stream is None:
-                key = request.key
-                if key in self._inflight:
-                    raise DuplicateNameError(f"{request.describe()} is already in flight on "
-                                             f"rank {self.rank}; wait for it or use another "
-                                             f"name")
-            else:
-                sk = (request.pset, stream)
-                seq = self._seq.get(sk, 0)
-                self._seq[sk] = seq + 1
-                request = request._replace(name=_stream_name(request.coll, stream, seq, label))
-                handle.request = request
-                key = (ORDERED, request.pset, stream, seq)
-            entry = LocalEntry(key, array, out, handle, now, request, stream)
-            if stream is not None:
-                self._streams.setdefault(sk, deque()).append(entry)
-            self._inflight[key] = entry
-            first = not self._queue
-            if first:
-                self._queued_at = now
-            self._queue.append(entry)
-            # lazy mode holds what a thread will wait for through synchronize(); the shared
-            # ordered stream (torch.distributed) is awaited through torch futures lightcc
-            # cannot see, so it is sent at once in every mode. Other eager work is gathered
-            # during a burst (see _step), so the background thread is woken by the first
-            # entry of a queue only.
-            eager = not self.lazy or stream == SHARED_STREAM
-            newly_urgent = stream == SHARED_STREAM and not self._urgent
-            if newly_urgent:
-                self._urgent = True
+        first, newly_urgent = self.submissions.add(handle, request, array, out, now, stream,
+                                                   label, self.status.check)
+        # lazy mode holds what a thread will wait for through synchronize(); the shared
+        # ordered stream (torch.distributed) is awaited through torch futures lightcc cannot
+        # see, so it is sent at once in every mode. Other eager work is gathered during a
+        # burst (see _step), so the background thread is woken by the first entry of a queue
+        # only.
+        eager = not self.lazy or stream == SHARED_STREAM
         if wake and eager and (self._drv_sleeping or
                                (self._bg_sleeping and (first or newly_urgent))):
             self._plane.wake()
@@ -208,11 +164,11 @@ class Engine(ControlLink, BatchRunner):
 
     def has_queued(self) -> bool:
         """Submissions not yet reported to the control tree (an unlocked peek)."""
-        return bool(self._queue)
+        return bool(self.submissions.queue)
 
     def shutdown(self, timeout: float) -> None:
         """Stop the thread; pending handles fail with ShutdownError. Never blocks past timeout."""
-        with self._lock:
+        with self.submissions.lock:        # a submit() after this raises, one before is failed
             self.status.stopping = True
         with self._cv:
             self._cv.notify_all()
@@ -275,13 +231,7 @@ class Engine(ControlLink, BatchRunner):
         waiting for it. The background thread sends it at once (the queue is marked urgent).
         The polling thread does no step itself: a step executes whatever collectives are
         agreed, which waits for the other ranks, and poll() must not wait."""
-        if not self._queue or self._urgent:      # unlocked peek, rechecked under the lock
-            return
-        with self._lock:
-            if not self._queue:
-                return
-            self._urgent = True
-        if self._bg_sleeping:
+        if self.submissions.mark_urgent() and self._bg_sleeping:
             self._plane.wake()
 
     def _run(self) -> None:
@@ -305,17 +255,15 @@ class Engine(ControlLink, BatchRunner):
                     finally:
                         self._bg_sleeping = False
                     # urgent work is never held; eager work only for a hold (<= GATHER_S)
-                    if time.monotonic() >= until and (self._urgent or (
-                            self._queue and not self.lazy and sleep > GATHER_S)):
+                    subs = self.submissions
+                    if time.monotonic() >= until and (subs.urgent or (
+                            subs.queue and not self.lazy and sleep > GATHER_S)):
                         self.missed_wakeups += 1    # slept it out with work queued (a bug)
         except BaseException as exc:  # never die silently: fail everything that waits
             log.exception("lightcc background thread failed")
-            with self._lock:
+            with self.submissions.lock:
                 self.status.dead = exc
-                entries = list(self._inflight.values()) + self._backlog_entries()
-                self._inflight.clear()
-                self._queue.clear()
-                self._streams.clear()
+            entries = self.submissions.drain() + self._backlog_entries()
             for e in entries:
                 e.handle._set(error=LightCCError(f"background thread failed: {exc!r}"))
 
@@ -336,9 +284,10 @@ class Engine(ControlLink, BatchRunner):
         if self._backlog and self._resume(handle):    # agreed buckets first, in order
             return 0.0
         hold = 0.0
-        if background and self._queue and not self._urgent and not self._drivers:
+        subs = self.submissions
+        if background and subs.queue and not subs.urgent and not self._drivers:
             if self.lazy:
-                hold = self._queued_at + LAZY_FLUSH_S - time.perf_counter()
+                hold = subs.queued_at + LAZY_FLUSH_S - time.perf_counter()
             else:        # a burst (backward's gradients): gather for GATHER_S after a send
                 hold = self._flushed_at + GATHER_S - time.perf_counter()
         progressed = self._flush_queue() if hold <= 0.0 else False
@@ -355,15 +304,15 @@ class Engine(ControlLink, BatchRunner):
                 return 0.0
             timeout = self._sleep_time(wait, hold)
             self._bg_sleeping = True
-            if (self._queue and (hold <= 0.0 or self._urgent)) or self.status.stopping \
-                    or self._drivers:             # (_urgent: set by expedite before it
+            if (subs.queue and (hold <= 0.0 or subs.urgent)) or self.status.stopping \
+                    or self._drivers:             # (urgent: set by expedite before it
                 self._bg_sleeping = False         # could see _bg_sleeping)
                 return 0.0
             return timeout
         timeout = 0.0 if progressed else self._sleep_time(wait, hold)
         if timeout > 0.0:
             self._drv_sleeping = True          # submit() wakes this poll from here on
-            if self._queue or self.status.stopping or (handle is not None and handle._done):
+            if subs.queue or self.status.stopping or (handle is not None and handle._done):
                 timeout = 0.0
         try:
             frames = self._plane.poll(timeout)
@@ -383,10 +332,6 @@ class Engine(ControlLink, BatchRunner):
 
     # ---- shutdown ----------------------------------------------------------------------------
     def _fail_all(self, make_error) -> None:
-        with self._lock:
-            entries = list(self._inflight.values()) + self._backlog_entries()
-            self._inflight.clear()
-            self._queue.clear()
-            self._streams.clear()
+        entries = self.submissions.drain() + self._backlog_entries()
         for e in entries:
             e.handle._set(error=make_error(e))

@@ -70,11 +70,9 @@ class ControlLink:
 
     def _flush_queue(self) -> bool:
         """Report new submissions (cache ids into the tree's bit vectors where possible)."""
-        if not self._queue:      # unlocked peek; a request queued right after is seen next step
+        if not self.submissions.queue:   # unlocked peek; one queued right after: next step
             return False
-        with self._lock:
-            new, self._queue = self._queue, []
-            self._urgent = False
+        new = self.submissions.take_new()
         now = time.perf_counter()
         self._flushed_at = now
         neg = self.neg
@@ -100,7 +98,7 @@ class ControlLink:
         idle wire per step in the MLP benchmark). Nothing executes here: batches from the
         parent wait in the inbox for the step after the bucket (rank 0 ticks the coordinator
         only there)."""
-        if self._queue:
+        if self.submissions.queue:
             self._flush_queue()
         if self.neg.children:
             self._take_frames(self._plane.poll(0.0))

@@ -17,7 +17,6 @@ from . import fusion
 from .direct import DirectPath
 from .group import Group
 from .run import run as run_bucket
-from .shared import LocalEntry
 
 #: Settings of :class:`~.group.ExecSettings` that a batch may change (the autotuner's).
 _EXEC_FIELDS = ("fusion_threshold", "algorithm", "auto_thresholds", "min_compress_bytes",
@@ -63,13 +62,8 @@ class BatchRunner:
             self._apply_settings(batch.settings)
         if batch.gone:
             self.status.gone_ranks = frozenset(batch.gone)
-        entries: list = []
-        with self._lock:          # one acquisition for the whole batch
-            for item, resp in zip(batch.items, responses):
-                if isinstance(item, OrderedItem):
-                    entries.append(self._take_ordered(item.pset, item.stream))
-                else:
-                    entries.append(self._inflight.pop(resp.request.key, None))
+        entries = self.submissions.claim(batch.items, responses,
+                                         lambda pset: self.neg.index(pset) is not None)
         if self._lingering:       # shut down here: only relaying for the children
             if batch.shutdown:
                 self._remote_shutdown(batch.shutdown)
@@ -175,19 +169,6 @@ class BatchRunner:
                 self._plans.pop(next(iter(self._plans)))
             self._plans[key] = buckets
         return buckets
-
-    def _take_ordered(self, pset: int, stream: int) -> LocalEntry | None:
-        """This rank's next request on an ordered stream (None when it did not submit one:
-        it has joined, or is not a member; a joined member skips the position). Called with
-        ``_lock`` held."""
-        queue = self._streams.get((pset, stream))
-        if queue:
-            entry = queue.popleft()
-            self._inflight.pop(entry.response_key, None)
-            return entry
-        if self.neg.index(pset) is not None:
-            self._seq[(pset, stream)] = self._seq.get((pset, stream), 0) + 1
-        return None
 
     def _notify(self, event: str, **info: Any) -> None:
         for listener in self.listeners:
