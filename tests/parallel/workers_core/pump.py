@@ -22,10 +22,10 @@ def spy() -> None:
     """At the first piece boundary: submit B (as backward would), then let the engine pump."""
     if "b" not in seen:
         seen["b"] = lcc.allreduce_async(b_in, op=lcc.Sum, name="pump.b")
-        seen["queued"] = len(eng._queue)
+        seen["queued"] = len(eng.submissions.queue)
         real_pump()
-        entry = eng._inflight.get(seen["b"].request.key)
-        seen["sent_inside"] = entry is not None and entry.sent_at > 0.0 and not eng._queue
+        entry = eng.submissions.inflight.get(seen["b"].request.key)
+        seen["sent_inside"] = entry is not None and entry.sent_at > 0.0 and not eng.submissions.queue
         seen["a_done_then"] = seen["a"].done()
         return
     real_pump()
