@@ -294,7 +294,7 @@ def _sample(proc, eng, ops: int, seconds: float) -> dict:
             "fds": _settled_fds(proc), "cache": len(eng.cache),
             "cache_ids": len(eng.cache._entries),
             "coord_pending": len(coord.pending) if coord else 0,
-            "inflight": len(eng._inflight), "fusion_mb": eng.group(0).fusion.nbytes / 2 ** 20,
+            "inflight": len(eng.submissions.inflight), "fusion_mb": eng.group(0).fusion.nbytes / 2 ** 20,
             "comp_state_keys": state_keys, "comp_state_mb": state_bytes / 2 ** 20}
 
 
