@@ -38,12 +38,13 @@ from .exceptions import InvalidArgumentError, LightCCError
 from .execution import fusion
 from .execution.batches import BatchRunner
 from .execution.group import ExecSettings, Group
+from .execution.process_sets import ProcessSets
 from .handle import Handle
 from .observability import flight
 from .status import EngineStatus
 from .submissions import Submissions
 from .topology import build, overlap_in_background
-from .tracing import NULL, Tracer
+from .tracing import Tracer
 
 log = logging.getLogger("lightcc")
 
@@ -66,12 +67,8 @@ class Engine(ControlLink, BatchRunner):
         self.rank, self.size = world.rank, world.size
         self._plane = ControlPlane(base.comm, hostnames, config.control_addr,
                                    config.control_fanout)
-        self.settings = ExecSettings.from_config(config)
-        self.groups: dict[int, Group] = {0: Group(0, tuple(range(self.size)), self.topo,
-                                                  self.settings, progress=self._pump,
-                                                  direct=self._direct_path(
-                                                      base, tuple(range(self.size))))}
-        self.tracer: Tracer = NULL
+        self.psets = ProcessSets(config, self.topo, hostnames, self.rank, base, self._pump)
+        self.groups: dict[int, Group] = self.psets.groups   # read here; written by psets
         self.batches = 0                     # batches executed
         self.coordinator = (Coordinator(self.size, config.cache_capacity,
                                         config.cycle_time / 1000.0, config.fusion_threshold,
@@ -109,18 +106,24 @@ class Engine(ControlLink, BatchRunner):
         return self.submissions.auto_name(coll, pset)
 
     @property
+    def settings(self) -> ExecSettings:
+        return self.psets.settings
+
+    @property
     def fusion_threshold(self) -> int:
-        return self.settings.fusion_threshold
+        return self.psets.settings.fusion_threshold
 
     @property
     def algorithm(self) -> str:
-        return self.settings.algorithm
+        return self.psets.settings.algorithm
+
+    @property
+    def tracer(self) -> Tracer:
+        return self.psets.tracer
 
     def set_tracer(self, tracer: Any) -> None:
         """Route trace events of the executor and every communicator to ``tracer``."""
-        self.tracer = tracer
-        for group in self.groups.values():
-            group.set_tracer(tracer)
+        self.psets.set_tracer(tracer)
 
     def group(self, pset_id: int) -> Group:
         """The process set ``pset_id`` (InvalidArgumentError when it does not exist here)."""
@@ -178,9 +181,7 @@ class Engine(ControlLink, BatchRunner):
             log.warning("lightcc background thread did not stop within %.0f s "
                         "(blocked in a collective with a rank that is gone?)", timeout)
             return
-        for group in list(self.groups.values()):
-            if group.topo is not None:
-                group.free()
+        self.psets.free()
 
     # ---- progress ----------------------------------------------------------------------------
     def drive(self, handle: Handle, timeout: float | None) -> None:

@@ -59,7 +59,7 @@ PRIVATE_READS = {
     "common/control/outcomes.py": {"_mark_ready", "_names", "_push", "_sorted", "_suspects",
                                    "_where"},
     "common/elastic/recovery.py": {"_added_sets", "_engine"},
-    "common/engine.py": {"_backlog_entries", "_coordinate", "_direct_path", "_done",
+    "common/engine.py": {"_backlog_entries", "_coordinate", "_done",
                          "_flush_queue", "_pump", "_receive", "_resume", "_send_up", "_set",
                          "_stop_thread"},
     "common/execution/batches.py": {"_backlog", "_coordinate", "_direct", "_done", "_drivers",

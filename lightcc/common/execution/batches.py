@@ -10,17 +10,10 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from ..backends.mpi import MPICommunicator, thread_multiple
 from ..control.messages import Batch, Coll, OrderedItem, Response
-from ..topology import build
 from . import fusion
-from .direct import DirectPath
-from .group import Group
 from .run import run as run_bucket
 
-#: Settings of :class:`~.group.ExecSettings` that a batch may change (the autotuner's).
-_EXEC_FIELDS = ("fusion_threshold", "algorithm", "auto_thresholds", "min_compress_bytes",
-                "ring_chunk_bytes", "mpi_chunk_bytes", "ef_ttl_steps")
 PLAN_CACHE = 64             # remembered bucket plans of repeated batches
 
 
@@ -109,16 +102,13 @@ class BatchRunner:
                     req = first.request
                     work.touched.add(req.pset)
                     if not first.error and req.coll in (Coll.ADD_PSET, Coll.REMOVE_PSET):
-                        self._change_psets(first)     # the engine's groups change here
+                        self.psets.change(first)      # the engine's groups change here
                     if run_bucket(self.groups.get(req.pset), [responses[i] for i in bucket],
                                   [entries[i] for i in bucket], self.status.joined, self.tracer,
                                   self._notify) and req.coll == Coll.JOIN:
                         self.status.joined = False
                 backlog.popleft()
-                for pset in work.touched:
-                    group = self.groups.get(pset)
-                    if group is not None:
-                        group.step += 1
+                self.psets.stepped(work.touched)
                 self.batches += 1
                 if work.batch.shutdown:
                     self._remote_shutdown(work.batch.shutdown)
@@ -176,54 +166,9 @@ class BatchRunner:
 
     def _apply_settings(self, settings: dict) -> None:
         """Tuned settings from the coordinator, applied by every rank at the same batch."""
-        exec_changes = {k: v for k, v in settings.items() if k in _EXEC_FIELDS}
-        if exec_changes:
-            if "fusion_threshold" in exec_changes:
-                exec_changes["fusion_threshold"] = int(exec_changes["fusion_threshold"])
-            if "algorithm" in exec_changes:
-                exec_changes["algorithm"] = str(exec_changes["algorithm"])
-            self.settings = self.settings.changed(**exec_changes)
-            for group in self.groups.values():
-                group.apply(self.settings)
+        self.psets.apply(settings)
         if self.coordinator is not None:
             if "cycle_time" in settings:
                 self.coordinator.cycle_time = float(settings["cycle_time"]) / 1000.0
             if "fusion_threshold" in settings:
                 self.coordinator.fusion_threshold = self.settings.fusion_threshold
-
-    def _direct_path(self, comm: MPICommunicator, ranks: tuple[int, ...]) -> Any:
-        """A process set's direct path (collective over ``comm``: it duplicates it), or None
-        when LCC_DIRECT_BYTES is 0 or MPI lacks MPI_THREAD_MULTIPLE (the calling thread would
-        use MPI beside the engine's)."""
-        if self.config.direct_bytes <= 0 or not thread_multiple():
-            return None
-        return DirectPath(comm.dup("direct"), ranks, self.config.stall_check_time,
-                          self.config.stall_shutdown_time)
-
-    def _change_psets(self, resp: Response) -> None:
-        """Add or remove the process set of an agreed ADD_PSET / REMOVE_PSET response."""
-        if resp.request.coll == Coll.ADD_PSET:
-            self._add_pset(resp)
-        else:
-            self._remove_pset(resp.request.root)
-
-    def _add_pset(self, resp: Response) -> None:
-        ranks = tuple(resp.request.splits)
-        member = self.rank in ranks
-        sub = self.topo.world.split(0 if member else 1, self.rank, f"pset{resp.value}")
-        if member:
-            hosts = [self.hostnames[r] for r in ranks]
-            topo = build(sub, hosts, self.config.local_size, self.config.cross_transport,
-                         self.config.control_addr)
-            group = Group(resp.value, ranks, topo, self.settings, progress=self._pump,
-                          direct=self._direct_path(sub, ranks))
-            group.set_tracer(self.tracer)
-        else:
-            sub.free()
-            group = Group(resp.value, ranks, None, self.settings)
-        self.groups[resp.value] = group
-
-    def _remove_pset(self, pset_id: int) -> None:
-        group = self.groups.pop(pset_id, None)
-        if group is not None and group.topo is not None:
-            group.free()
