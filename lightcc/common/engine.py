@@ -31,7 +31,7 @@ from .config import Config
 from .control.controller import Coordinator
 from .control.link import MAX_WAIT_S, ControlLink
 from .control.messages import SHARED_STREAM, Coll, Request
-from .control.negotiation import demote_after
+from .control.tree import demote_after
 from .control.negotiator import Negotiator
 from .control.transport import ControlPlane
 from .exceptions import InvalidArgumentError, LightCCError
