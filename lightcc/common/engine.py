@@ -1,18 +1,28 @@
-"""The background thread: queue, negotiation messages, execution, handles, lifecycle.
+"""The background thread: driving, waking and shutdown of objects that each own their state.
 
-One :class:`Engine` per ``init()``. User threads call :meth:`Engine.submit`, which checks what
-can be checked locally and queues the request. Whichever thread holds the progress lock (the
-background thread, or a user thread waiting in ``synchronize()``, which then drives progress
-itself) runs :meth:`Engine._step`:
+One :class:`Engine` per ``init()``, composed of:
 
-1. report what is new (control/link.py, :class:`~.control.negotiator.Negotiator`): a request the
-   rank's response or signature cache holds becomes a bit in the control tree's bit vectors,
-   anything else goes to rank 0 in full; a rank with children in the tree also merges their
-   reports and sends one report to its parent;
+- :class:`~.status.EngineStatus`: its lifecycle as others read it;
+- :class:`~.submissions.Submissions`: the queue, in-flight table and ordered streams;
+- :class:`~.control.negotiation.Negotiation`: the control plane, this rank's negotiator and
+  (rank 0) the coordinator;
+- :class:`~.execution.process_sets.ProcessSets`: the groups and their settings;
+- :class:`~.execution.batches.BatchExecutor`: the backlog of agreed batches, run bucket by
+  bucket through execution/run.py.
+
+Requests flow one way: ``submit()`` -> Submissions -> (reported by) Negotiation -> agreed
+batches delivered to the BatchExecutor -> handles completed. User threads call
+:meth:`Engine.submit`, which checks what can be checked locally and queues the request.
+Whichever thread holds the progress lock (the background thread, or a user thread waiting in
+``synchronize()``, which then drives progress itself) runs :meth:`Engine._step`:
+
+1. report what is new: a request the rank's response or signature cache holds becomes a bit in
+   the control tree's bit vectors, anything else goes to rank 0 in full; a rank with children
+   in the tree also merges their reports and sends one report to its parent;
 2. on rank 0, feed what the tree agreed and what ranks sent to the
    :class:`~.control.controller.Coordinator` and send the batch it decides on down the tree;
-3. pass each batch on to the children and execute it (execution/batches.py, then
-   execution/run.py per bucket: the same order on every rank), completing the handles.
+3. pass each batch on to the children and execute it (the same order on every rank),
+   completing the handles.
 
 Nothing polls: with nothing to do, the stepping thread blocks in the kernel on the control
 plane's sockets until a message arrives, a submission wakes it, or the coordinator's next
@@ -23,20 +33,19 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import deque
 from typing import Any
 
 from .backends.mpi import MPICommunicator
 from .config import Config
 from .control.controller import Coordinator
-from .control.link import MAX_WAIT_S, ControlLink
+from .control.negotiation import MAX_WAIT_S, Negotiation
 from .control.messages import SHARED_STREAM, Coll, Request
 from .control.tree import demote_after
 from .control.negotiator import Negotiator
 from .control.transport import ControlPlane
-from .exceptions import InvalidArgumentError, LightCCError
+from .exceptions import InvalidArgumentError, LightCCError, ShutdownError
 from .execution import fusion
-from .execution.batches import BatchRunner
+from .execution.batches import BatchExecutor
 from .execution.group import ExecSettings, Group
 from .execution.process_sets import ProcessSets
 from .handle import Handle
@@ -54,9 +63,9 @@ GATHER_S = 0.005           # eager mode: during a burst, the background thread s
 DRIVER_LOCK_WAIT_S = 0.002  # a driver that finds another thread stepping re-checks this often
 
 
-class Engine(ControlLink, BatchRunner):
-    """One process's lightcc runtime (see module docstring): the thread, the queue, handles
-    and lifecycle here; negotiation in :class:`ControlLink`, batches in :class:`BatchRunner`."""
+class Engine:
+    """One process's lightcc runtime (see module docstring): the thread, driving, waking and
+    shutdown here; the state in the objects it is composed of."""
 
     def __init__(self, config: Config, base: MPICommunicator, hostnames: list[str]) -> None:
         self.config = config
@@ -67,9 +76,8 @@ class Engine(ControlLink, BatchRunner):
         self.rank, self.size = world.rank, world.size
         self._plane = ControlPlane(base.comm, hostnames, config.control_addr,
                                    config.control_fanout)
-        self.psets = ProcessSets(config, self.topo, hostnames, self.rank, base, self._pump)
-        self.groups: dict[int, Group] = self.psets.groups   # read here; written by psets
-        self.batches = 0                     # batches executed
+        self.status = EngineStatus()         # what others may read (written here only)
+        self.submissions = Submissions(self.rank)   # queue, in-flight table, streams
         self.coordinator = (Coordinator(self.size, config.cache_capacity,
                                         config.cycle_time / 1000.0, config.fusion_threshold,
                                         config.stall_check_time, config.stall_shutdown_time)
@@ -79,23 +87,29 @@ class Engine(ControlLink, BatchRunner):
                               demote_after(config.stall_check_time, config.stall_shutdown_time),
                               self.coordinator)
         self.cache, self.sigcache = self.neg.cache, self.neg.sigcache
-        self._inbox: deque = deque()         # batches from the parent, not yet handled
-        self._lingering = False              # shut down here, still relaying for children
-        self.submissions = Submissions(self.rank)   # queue, in-flight table, streams
+        self.negotiation = Negotiation(self._plane, self.neg, self.coordinator,
+                                       self.submissions, self.status, config.shutdown_timeout,
+                                       self._deliver, self._remote_shutdown)
+        self.psets = ProcessSets(config, self.topo, hostnames, self.rank, base,
+                                 self.negotiation.pump)
+        self.groups: dict[int, Group] = self.psets.groups   # read here; written by psets
+        self.listeners: list = []      # callables(event: str, **info), e.g. the autotuner
+        neg = self.neg
+        self.executor = BatchExecutor(
+            self.submissions, self.psets, self.status, lambda p: neg.index(p) is not None,
+            fusion.direct_bytes(self.topo.num_nodes), self.listeners, self.coordinator,
+            pump=self.negotiation.pump,
+            coordinate=self.negotiation.coordinate if self.coordinator is not None else None,
+            should_yield=self._should_yield, on_shutdown=self._remote_shutdown,
+            lingering=lambda: self.negotiation.lingering)
+        self._driving_for: Handle | None = None   # the handle the stepping thread waits for
         self._progress = threading.Lock()    # serializes _step(): every MPI call is under it
         self._cv = threading.Condition()     # guards _drivers
         self._drivers = 0                    # user threads currently driving progress
         self._bg_sleeping = False            # the background thread is (about to be) asleep
         self._drv_sleeping = False           # a driving thread is (about to be) blocked
-        self.status = EngineStatus()         # what others may read (written here only)
-        self._closed_seen: set[int] = set()
         self.lazy = not overlap_in_background(config.overlap, self.topo)
-        self._flushed_at = 0.0               # when the queue was last sent (burst gathering)
-        self._plans: dict[tuple, list[list[int]]] = {}   # see _plan()
-        self._backlog: deque = deque()       # agreed buckets not yet executed (_run_backlog)
-        self._direct = fusion.direct_bytes(self.topo.num_nodes)   # the same on every rank
         self.missed_wakeups = 0              # background sleeps that ignored queued work
-        self.listeners: list = []      # callables(event: str, **info), e.g. the autotuner
         self.flight = flight.attach(self.rank, self.size, config.flight_records, config.flight_dir)
         self._thread = threading.Thread(target=self._run, name="lightcc-engine", daemon=True)
         self._thread.start()
@@ -104,6 +118,11 @@ class Engine(ControlLink, BatchRunner):
     def auto_name(self, coll: Coll, pset: int = 0) -> str:
         """Horovod-style generated name; counters are per collective type and process set."""
         return self.submissions.auto_name(coll, pset)
+
+    @property
+    def batches(self) -> int:
+        """Batches executed on this rank."""
+        return self.executor.batches
 
     @property
     def settings(self) -> ExecSettings:
@@ -194,7 +213,7 @@ class Engine(ControlLink, BatchRunner):
         with self._cv:
             self._drivers += 1
         try:
-            while not handle._done:
+            while not handle.is_done:
                 if self.status.stopped():
                     return
                 wait = MAX_WAIT_S
@@ -205,7 +224,7 @@ class Engine(ControlLink, BatchRunner):
                 if not self._progress.acquire(timeout=DRIVER_LOCK_WAIT_S):
                     continue          # another thread is stepping; look at the handle again
                 try:
-                    if not handle._done:
+                    if not handle.is_done:
                         self._driving_for = handle      # see _should_yield
                         self._step(wait, handle)
                 finally:
@@ -264,7 +283,7 @@ class Engine(ControlLink, BatchRunner):
             log.exception("lightcc background thread failed")
             with self.submissions.lock:
                 self.status.dead = exc
-            entries = self.submissions.drain() + self._backlog_entries()
+            entries = self.submissions.drain() + self.executor.take_unexecuted()
             for e in entries:
                 e.handle._set(error=LightCCError(f"background thread failed: {exc!r}"))
 
@@ -282,25 +301,28 @@ class Engine(ControlLink, BatchRunner):
         few control rounds, not one each; the shared ordered stream and a waiting thread are
         never held.
         """
-        if self._backlog and self._resume(handle):    # agreed buckets first, in order
-            return 0.0
+        executor = self.executor
+        if executor:                 # agreed buckets first, in order
+            executor.run()
+            if executor or (handle is not None and handle.is_done):
+                return 0.0
+        negotiation = self.negotiation
         hold = 0.0
         subs = self.submissions
         if background and subs.queue and not subs.urgent and not self._drivers:
             if self.lazy:
                 hold = subs.queued_at + LAZY_FLUSH_S - time.perf_counter()
             else:        # a burst (backward's gradients): gather for GATHER_S after a send
-                hold = self._flushed_at + GATHER_S - time.perf_counter()
-        progressed = self._flush_queue() if hold <= 0.0 else False
-        if self.neg.scan(time.monotonic()):
-            self._send_up()                    # what waited too long goes up rank by rank
+                hold = negotiation.flushed_at + GATHER_S - time.perf_counter()
+        progressed = negotiation.report() if hold <= 0.0 else False
+        negotiation.scan(time.monotonic())     # what waited too long goes up rank by rank
         if self.coordinator is not None:
-            progressed |= self._coordinate()
+            progressed |= negotiation.coordinate()
         if background:
             # read what arrived first, and only then declare sleep: a wake byte sent after
             # _bg_sleeping is set stays in the socket for the wait() that follows (reading
             # after declaring lost it, and the thread slept MAX_WAIT_S with work queued)
-            progressed |= self._receive(self._plane.poll(0.0))
+            progressed |= negotiation.receive(self._plane.poll(0.0))
             if progressed:
                 return 0.0
             timeout = self._sleep_time(wait, hold)
@@ -313,26 +335,48 @@ class Engine(ControlLink, BatchRunner):
         timeout = 0.0 if progressed else self._sleep_time(wait, hold)
         if timeout > 0.0:
             self._drv_sleeping = True          # submit() wakes this poll from here on
-            if subs.queue or self.status.stopping or (handle is not None and handle._done):
+            if subs.queue or self.status.stopping or (handle is not None and handle.is_done):
                 timeout = 0.0
         try:
             frames = self._plane.poll(timeout)
         finally:
             self._drv_sleeping = False
-        self._receive(frames)
+        negotiation.receive(frames)
         return 0.0
 
     def _sleep_time(self, wait: float, hold: float) -> float:
         """How long a step with nothing to do may block: ``wait``, or less for the
         coordinator's next deadline (rank 0), the node's stall scan or the end of a lazy
         hold."""
-        wait = min(wait, self.neg.next_deadline(time.monotonic()))
-        if self.coordinator is not None:
-            wait = min(wait, self.coordinator.next_deadline())
+        wait = min(wait, self.negotiation.next_deadline(time.monotonic()))
         return min(wait, hold) if hold > 0.0 else wait
+
+    def _should_yield(self) -> bool:
+        """Stop executing at this bucket boundary? The background thread stops as soon as a
+        user thread drives (waits in ``synchronize()``), which then executes the next bucket
+        itself instead of waiting for the rest of the batch. A driver goes on to the end of
+        the backlog (handing the engine back and forth between threads costs more than the
+        buckets it would leave: a thread that must not wait for the rest waits without
+        driving, as cross-barrier mode's pre-forward hooks do)."""
+        return self._driving_for is None and self._drivers > 0 and not self.status.stopping
+
+    def _deliver(self, batch: Any, responses: list) -> None:
+        """An agreed batch, from the negotiation to the executor (in agreement order)."""
+        self.executor.execute(batch, responses)
 
     # ---- shutdown ----------------------------------------------------------------------------
     def _fail_all(self, make_error) -> None:
-        entries = self.submissions.drain() + self._backlog_entries()
+        entries = self.submissions.drain() + self.executor.take_unexecuted()
         for e in entries:
             e.handle._set(error=make_error(e))
+
+    def _remote_shutdown(self, reason: str) -> None:
+        """lightcc stopped on every rank (a batch said so, or the coordinator is unreachable)."""
+        self.status.shut_down = f"lightcc was shut down on all ranks: {reason}"
+        self._fail_all(lambda e: ShutdownError(f"{e.handle.request.describe()}: "
+                                               f"{self.status.shut_down}"))
+
+    def _stop_thread(self) -> None:
+        self._fail_all(lambda e: ShutdownError(f"{e.handle.request.describe()} was pending when "
+                                               f"shutdown() ran on rank {self.rank}"))
+        self.negotiation.stop()

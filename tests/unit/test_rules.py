@@ -41,9 +41,6 @@ LONG_FILES = {
 
 #: Mixins still in lightcc/common: "module:Class" (may only shrink).
 MIXINS = {
-    "lightcc.common.engine:Engine",                 # Engine(ControlLink, BatchRunner)
-    "lightcc.common.control.link:ControlLink",
-    "lightcc.common.execution.batches:BatchRunner",
     "lightcc.common.control.outcomes:Outcomes",
 }
 
@@ -55,16 +52,10 @@ PRIVATE_READS = {
     "common/compression/autoprobe.py": {"_compressor"},
     "common/control/controller.py": {"_by_priority", "_forget_name", "_missing", "_respond",
                                      "_scan", "_type_mismatches"},
-    "common/control/link.py": {"_execute", "_fail_all", "_inbox", "_plane"},
     "common/control/outcomes.py": {"_mark_ready", "_names", "_push", "_sorted", "_suspects",
                                    "_where"},
     "common/elastic/recovery.py": {"_added_sets", "_engine"},
-    "common/engine.py": {"_backlog_entries", "_coordinate", "_done",
-                         "_flush_queue", "_pump", "_receive", "_resume", "_send_up", "_set",
-                         "_stop_thread"},
-    "common/execution/batches.py": {"_backlog", "_coordinate", "_direct", "_done", "_drivers",
-                                    "_lingering", "_plans", "_pump", "_remote_shutdown",
-                                    "_send_up"},
+    "common/engine.py": {"_set"},
     "common/execution/run.py": {"_set"},
     "common/kernels/ef_topk.py": {"_ef_gather"},
     "common/mca.py": {"_Environ"},

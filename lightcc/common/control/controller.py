@@ -262,6 +262,14 @@ class Coordinator(Outcomes):
             self._ready_urgent = True
 
     # -- decisions --------------------------------------------------------------------------
+    def apply_settings(self, settings: dict, fusion_threshold: int) -> None:
+        """Tuned settings of a batch as rank 0 executes it: the cycle time (ms in ``settings``)
+        and the fusion threshold every rank now uses (bytes)."""
+        if "cycle_time" in settings:
+            self.cycle_time = float(settings["cycle_time"]) / 1000.0
+        if "fusion_threshold" in settings:
+            self.fusion_threshold = fusion_threshold
+
     def next_deadline(self) -> float:
         """Seconds until :meth:`tick` has something time-driven to do (hold expiry, scan)."""
         now = self.clock()

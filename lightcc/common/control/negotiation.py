@@ -1,19 +1,25 @@
-"""The engine's side of the control plane: reporting submissions up the control tree, relaying
-children's reports and the parent's batches, rank 0's coordinator, lost connections, and the
-control-plane part of shutdown.
+"""The engine's side of the control plane (:class:`Negotiation`): reporting this rank's
+submissions up the control tree, relaying children's reports and the parent's batches, rank 0's
+coordinator, lost connections, and the control-plane part of shutdown.
 
-:class:`ControlLink` is a mixin of :class:`~..engine.Engine`: its methods run under the engine's
-progress lock and use the engine's queue, negotiator (``neg``), coordinator and
-:class:`~.transport.ControlPlane` (``_plane``); batches it receives go to
-``Engine._execute`` (execution/batches.py).
+It owns the :class:`~.transport.ControlPlane`, the :class:`~.negotiator.Negotiator`, rank 0's
+:class:`~.controller.Coordinator` and the inbox of batches from the parent. Data flows one way:
+it takes new entries from :class:`~..submissions.Submissions` and hands every agreed batch, in
+agreement order, to ``deliver(batch, responses)`` (the engine's executor); it never executes.
+A shutdown it learns of goes to ``on_shutdown(reason)``. Every method runs on the thread that
+steps the engine (under its progress lock).
 """
 from __future__ import annotations
 
 import logging
 import time
+from collections import deque
+from typing import Any, Callable
 
-from ..exceptions import ShutdownError
+from .controller import Coordinator
 from .messages import Batch
+from .negotiator import Negotiator
+from .transport import ControlPlane
 
 log = logging.getLogger("lightcc")
 MAX_WAIT_S = 1.0            # longest single block in the kernel (stops are also woken)
@@ -24,21 +30,47 @@ def _ranks_text(ranks: list[int]) -> str:
     return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranks}"
 
 
-class ControlLink:
-    """Negotiation as the engine drives it (see module docstring)."""
+class Negotiation:
+    """See module docstring. ``status`` is the engine's :class:`~..status.EngineStatus`
+    (read here: a rank shut down everywhere sends nothing more)."""
 
-    def _receive(self, frames: list[tuple[int, bytes]]) -> bool:
+    def __init__(self, plane: ControlPlane, neg: Negotiator, coordinator: Coordinator | None,
+                 submissions: Any, status: Any, shutdown_timeout: float,
+                 deliver: Callable[[Batch, list], None],
+                 on_shutdown: Callable[[str], None]) -> None:
+        self.plane, self.neg, self.coordinator = plane, neg, coordinator
+        self.submissions, self.status = submissions, status
+        self.shutdown_timeout = shutdown_timeout
+        self._deliver, self._on_shutdown = deliver, on_shutdown
+        self._inbox: deque = deque()         # batches from the parent, not yet handled
+        self._closed_seen: set[int] = set()
+        self.lingering = False               # shut down here, still relaying for children
+        self.flushed_at = 0.0                # when the queue was last reported
+
+    def next_deadline(self, now: float) -> float:
+        """Seconds until the node's stall scan or (rank 0) the coordinator's next tick."""
+        wait = self.neg.next_deadline(now)
+        if self.coordinator is not None:
+            wait = min(wait, self.coordinator.next_deadline())
+        return wait
+
+    def scan(self, now: float) -> None:
+        """What waited too long in the tree goes up rank by rank (the node's stall scan)."""
+        if self.neg.scan(now):
+            self.send_up()
+
+    def receive(self, frames: list[tuple[int, bytes]]) -> bool:
         """Act on control frames (children's reports; batches from the parent, handled in
         order) and on closed peers."""
         progressed = bool(frames)
         self._take_frames(frames)
-        while self._inbox and not self.status.shut_down:   # _pump may add to it meanwhile
+        while self._inbox and not self.status.shut_down:   # pump() may add to it meanwhile
             self._handle_batch(self._inbox.popleft())
-        if len(self._plane.closed) != len(self._closed_seen):
+        if len(self.plane.closed) != len(self._closed_seen):
             self._peers_closed()
             progressed = True
         if frames and self.coordinator is not None:
-            self._coordinate()
+            self.coordinate()
         return progressed
 
     def _take_frames(self, frames: list[tuple[int, bytes]]) -> None:
@@ -53,28 +85,35 @@ class ControlLink:
                 self.neg.from_child(src, data)
                 children = True
         if children:
-            self._send_up()
+            self.send_up()
 
-    def _send_up(self) -> None:
+    def send_up(self) -> None:
         """This rank's report to its parent (rank 0: into the coordinator), if any."""
         data = self.neg.outgoing()
         if data is not None and not self.status.shut_down:
-            self._plane.send(self.neg.parent, data)
+            self.plane.send(self.neg.parent, data)
 
     def _handle_batch(self, data: bytes) -> None:
         """A batch from the parent: passed on to the children before this rank applies it
-        (before any later report of theirs can depend on it), then executed."""
+        (before any later report of theirs can depend on it), then delivered."""
         for child in self.neg.children:
-            self._plane.send(child, data)
-        self._execute(Batch.decode(data))
+            self.plane.send(child, data)
+        self._accept(Batch.decode(data))
 
-    def _flush_queue(self) -> bool:
+    def _accept(self, batch: Batch) -> None:
+        """Apply an agreed batch to the caches and the tree node (in arrival order, as it
+        arrives) and deliver it for execution."""
+        responses = self.neg.absorb(batch)
+        self.send_up()           # what the batch demoted goes up rank by rank
+        self._deliver(batch, responses)
+
+    def report(self) -> bool:
         """Report new submissions (cache ids into the tree's bit vectors where possible)."""
         if not self.submissions.queue:   # unlocked peek; one queued right after: next step
             return False
         new = self.submissions.take_new()
         now = time.perf_counter()
-        self._flushed_at = now
+        self.flushed_at = now
         neg = self.neg
         for entry in new:
             entry.sent_at = now
@@ -83,10 +122,10 @@ class ControlLink:
                 neg.submit_named(req)
             else:
                 neg.submit_ordered(req.pset, entry.stream, entry.response_key[3], req)
-        self._send_up()
+        self.send_up()
         return True
 
-    def _pump(self) -> None:
+    def pump(self) -> None:
         """Between the pieces of a long exchange (``Communicator.progress``), on the thread
         that executes it: report new submissions, and on a rank with children in the control
         tree take in their reports and pass them on, so the next batch is agreed while this
@@ -99,12 +138,12 @@ class ControlLink:
         parent wait in the inbox for the step after the bucket (rank 0 ticks the coordinator
         only there)."""
         if self.submissions.queue:
-            self._flush_queue()
+            self.report()
         if self.neg.children:
-            self._take_frames(self._plane.poll(0.0))
+            self._take_frames(self.plane.poll(0.0))
 
-    def _coordinate(self) -> bool:
-        """Rank 0: ask the coordinator for a batch; send it down the tree and execute it."""
+    def coordinate(self) -> bool:
+        """Rank 0: ask the coordinator for a batch; send it down the tree and deliver it."""
         batch = self.coordinator.tick()
         for text in self.coordinator.warnings:
             log.warning("%s", text)
@@ -118,62 +157,56 @@ class ControlLink:
         if self.neg.children:
             data = batch.encode()
             for child in self.neg.children:
-                self._plane.send(child, data)
-        self._execute(batch)
+                self.plane.send(child, data)
+        self._accept(batch)
         return True
 
     def _peers_closed(self) -> None:
         """Connections that ended: a child (its subtree is cut off) or the parent (this rank
         can no longer reach the coordinator)."""
-        new = self._plane.closed - self._closed_seen
+        new = self.plane.closed - self._closed_seen
         self._closed_seen |= new
         parent = self.neg.parent
         lost = sorted(new - {parent})
         for child in lost:
             self.neg.child_lost(child)
         if lost:
-            self._send_up()
+            self.send_up()
         if parent in new and not self.status.shut_down:
             reason = ("rank 0 (the coordinator) closed its connection (it exited or called "
                       "shutdown())" if parent == 0 else
                       f"rank {parent}, this rank's relay to rank 0 in the control tree, closed "
                       f"its connection (it exited)")
             for child in self.neg.children:   # they cannot reach rank 0 either
-                self._plane.send(child, Batch(shutdown=reason).encode())
-            self._remote_shutdown(reason)
+                self.plane.send(child, Batch(shutdown=reason).encode())
+            self._on_shutdown(reason)
 
-    # ---- execution ---------------------------------------------------------------------------
-
-    def _remote_shutdown(self, reason: str) -> None:
-        self.status.shut_down = f"lightcc was shut down on all ranks: {reason}"
-        self._fail_all(lambda e: ShutdownError(f"{e.handle.request.describe()}: "
-                                               f"{self.status.shut_down}"))
-
-    def _stop_thread(self) -> None:
-        self._fail_all(lambda e: ShutdownError(f"{e.handle.request.describe()} was pending when "
-                                               f"shutdown() ran on rank {self.rank}"))
+    # ---- shutdown ------------------------------------------------------------------------------
+    def stop(self) -> None:
+        """This rank shuts down (its handles already failed): tell the tree, relay for the
+        children while they still need it, close the plane."""
         if self.coordinator is not None:
             data = Batch(shutdown="rank 0 (the coordinator) called shutdown()").encode()
             for child in self.neg.children:
-                self._plane.send(child, data)
+                self.plane.send(child, data)
         elif not self.status.shut_down:
             self.neg.submit_shutdown()
-            self._send_up()
+            self.send_up()
             if self.neg.children:
                 self._linger()
-        self._plane.close()
+        self.plane.close()
 
     def _linger(self) -> None:
         """Shut down here, but keep relaying for the children until they have closed their
         connections (they may still use process sets without this rank), for at most 80 % of
         LCC_SHUTDOWN_TIMEOUT: a job's ranks shut down from the leaves up."""
-        self._lingering = True
-        deadline = time.monotonic() + 0.8 * self.config.shutdown_timeout
+        self.lingering = True
+        deadline = time.monotonic() + 0.8 * self.shutdown_timeout
         children = set(self.neg.children)
-        while not children <= self._plane.closed and not self.status.shut_down:
+        while not children <= self.plane.closed and not self.status.shut_down:
             left = deadline - time.monotonic()
-            if left <= 0 or self.neg.parent in self._plane.closed:
+            if left <= 0 or self.neg.parent in self.plane.closed:
                 log.info("shut down with ranks %s still connected through this rank",
-                         sorted(children - self._plane.closed))
+                         sorted(children - self.plane.closed))
                 return
-            self._receive(self._plane.poll(min(left, MAX_WAIT_S)))
+            self.receive(self.plane.poll(min(left, MAX_WAIT_S)))
