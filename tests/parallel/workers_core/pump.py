@@ -1,4 +1,4 @@
-"""Negotiation during a long exchange (Engine._pump through Communicator.progress): a tensor
+"""Negotiation during a long exchange (Negotiation.pump through Communicator.progress): a tensor
 submitted while a pipelined fp16 bucket is being exchanged is sent to the coordinator from
 inside that exchange, not after it, and both results are right. Prints ``pump ok``."""
 from __future__ import annotations
@@ -13,7 +13,7 @@ twophase.PIECE_BYTES = 4096            # many pieces: the hook runs between them
 lcc.init()
 R, N = lcc.rank(), lcc.size()
 eng = api.engine()
-real_pump = eng._pump
+real_pump = eng.negotiation.pump
 seen: dict = {}
 b_in = np.full(1000, float(R + 1), np.float32)
 

@@ -43,15 +43,15 @@ def case_init():
     hvd.init()
     R, N = hvd.rank(), hvd.size()
     eng = api.engine()
-    execute = eng._execute
+    execute = eng.executor.execute
 
-    def recording(batch):
+    def recording(batch, responses):
         what = getattr(_tls, "what", None)
         if what is not None:
             INSIDE_POLL.append(what)
-        return execute(batch)
+        return execute(batch, responses)
 
-    eng._execute = recording
+    eng.executor.execute = recording
 
 
 def _rows(k: int) -> int:
