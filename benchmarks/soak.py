@@ -155,7 +155,7 @@ def worker(args: argparse.Namespace) -> None:
         if rnd % 200 == 0:
             algo = algos[rnd // 200 % len(algos)]
             lcc.barrier()
-            eng._apply_settings({"algorithm": algo})   # same value, same point, every rank
+            eng.executor.apply_settings({"algorithm": algo})   # same value, same point, every rank
         ops = []
         for k in range(int(plan.integers(1, 9))):
             kind = KINDS[int(plan.integers(len(KINDS)))]
