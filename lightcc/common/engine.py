@@ -100,8 +100,7 @@ class Engine:
             fusion.direct_bytes(self.topo.num_nodes), self.listeners, self.coordinator,
             pump=self.negotiation.pump,
             coordinate=self.negotiation.coordinate if self.coordinator is not None else None,
-            should_yield=self._should_yield, on_shutdown=self._remote_shutdown,
-            lingering=lambda: self.negotiation.lingering)
+            should_yield=self._should_yield, on_shutdown=self._remote_shutdown)
         self._driving_for: Handle | None = None   # the handle the stepping thread waits for
         self._progress = threading.Lock()    # serializes _step(): every MPI call is under it
         self._cv = threading.Condition()     # guards _drivers
@@ -316,13 +315,14 @@ class Engine:
                 hold = negotiation.flushed_at + GATHER_S - time.perf_counter()
         progressed = negotiation.report() if hold <= 0.0 else False
         negotiation.scan(time.monotonic())     # what waited too long goes up rank by rank
-        if self.coordinator is not None:
-            progressed |= negotiation.coordinate()
+        if self.coordinator is not None and negotiation.coordinate():
+            progressed = True
+            executor.run()
         if background:
             # read what arrived first, and only then declare sleep: a wake byte sent after
             # _bg_sleeping is set stays in the socket for the wait() that follows (reading
             # after declaring lost it, and the thread slept MAX_WAIT_S with work queued)
-            progressed |= negotiation.receive(self._plane.poll(0.0))
+            progressed |= self._receive(self._plane.poll(0.0))
             if progressed:
                 return 0.0
             timeout = self._sleep_time(wait, hold)
@@ -341,8 +341,20 @@ class Engine:
             frames = self._plane.poll(timeout)
         finally:
             self._drv_sleeping = False
-        negotiation.receive(frames)
+        self._receive(frames)
         return 0.0
+
+    def _receive(self, frames: list) -> bool:
+        """Control frames in (batches delivered in order), then execute what they agreed,
+        then act on closed connections; rank 0 then agrees what the frames completed."""
+        negotiation, executor = self.negotiation, self.executor
+        progressed = negotiation.receive(frames)
+        if executor:
+            executor.run()
+        progressed |= negotiation.check_closed()
+        if frames and self.coordinator is not None and negotiation.coordinate():
+            executor.run()
+        return progressed
 
     def _sleep_time(self, wait: float, hold: float) -> float:
         """How long a step with nothing to do may block: ``wait``, or less for the
@@ -361,8 +373,9 @@ class Engine:
         return self._driving_for is None and self._drivers > 0 and not self.status.stopping
 
     def _deliver(self, batch: Any, responses: list) -> None:
-        """An agreed batch, from the negotiation to the executor (in agreement order)."""
-        self.executor.execute(batch, responses)
+        """An agreed batch, from the negotiation into the executor's backlog (in agreement
+        order; the step runs it)."""
+        self.executor.accept(batch, responses)
 
     # ---- shutdown ----------------------------------------------------------------------------
     def _fail_all(self, make_error) -> None:

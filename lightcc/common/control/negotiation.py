@@ -5,9 +5,10 @@ coordinator, lost connections, and the control-plane part of shutdown.
 It owns the :class:`~.transport.ControlPlane`, the :class:`~.negotiator.Negotiator`, rank 0's
 :class:`~.controller.Coordinator` and the inbox of batches from the parent. Data flows one way:
 it takes new entries from :class:`~..submissions.Submissions` and hands every agreed batch, in
-agreement order, to ``deliver(batch, responses)`` (the engine's executor); it never executes.
-A shutdown it learns of goes to ``on_shutdown(reason)``. Every method runs on the thread that
-steps the engine (under its progress lock).
+agreement order, to ``deliver(batch, responses)`` (the engine's executor, which only queues
+it); it never executes, and no call here waits for execution. A shutdown it learns of goes to
+``on_shutdown(reason)``. Every method runs on the thread that steps the engine (under its
+progress lock).
 """
 from __future__ import annotations
 
@@ -60,18 +61,19 @@ class Negotiation:
             self.send_up()
 
     def receive(self, frames: list[tuple[int, bytes]]) -> bool:
-        """Act on control frames (children's reports; batches from the parent, handled in
-        order) and on closed peers."""
-        progressed = bool(frames)
+        """Act on control frames: children's reports, and the parent's batches (those the
+        inbox holds too), delivered in order. True when there were frames."""
         self._take_frames(frames)
         while self._inbox and not self.status.shut_down:   # pump() may add to it meanwhile
             self._handle_batch(self._inbox.popleft())
-        if len(self.plane.closed) != len(self._closed_seen):
-            self._peers_closed()
-            progressed = True
-        if frames and self.coordinator is not None:
-            self.coordinate()
-        return progressed
+        return bool(frames)
+
+    def check_closed(self) -> bool:
+        """Act on connections that ended since the last call; True when some did."""
+        if len(self.plane.closed) == len(self._closed_seen):
+            return False
+        self._peers_closed()
+        return True
 
     def _take_frames(self, frames: list[tuple[int, bytes]]) -> None:
         """Children's reports into the node (and the merged report up); the parent's batches
@@ -102,9 +104,14 @@ class Negotiation:
 
     def _accept(self, batch: Batch) -> None:
         """Apply an agreed batch to the caches and the tree node (in arrival order, as it
-        arrives) and deliver it for execution."""
+        arrives) and deliver it for execution (while lingering: nothing is executed here any
+        more, a shutdown batch ends the lingering)."""
         responses = self.neg.absorb(batch)
         self.send_up()           # what the batch demoted goes up rank by rank
+        if self.lingering:
+            if batch.shutdown:
+                self._on_shutdown(batch.shutdown)
+            return
         self._deliver(batch, responses)
 
     def report(self) -> bool:
@@ -210,3 +217,4 @@ class Negotiation:
                          sorted(children - self.plane.closed))
                 return
             self.receive(self.plane.poll(min(left, MAX_WAIT_S)))
+            self.check_closed()

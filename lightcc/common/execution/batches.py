@@ -4,11 +4,12 @@ entries (claimed from :class:`~..submissions.Submissions`) and the bucket plan (
 remembered for repeated batches); then each bucket through execution's door
 (:func:`.run.run`), process-set changes included (:class:`~.process_sets.ProcessSets`).
 
-Batches come in one way, through :meth:`BatchExecutor.execute` (the negotiation's delivery, in
-agreement order). The hooks it is given are how execution lets the rest of the engine work
-between buckets: ``pump`` (report what was submitted meanwhile), ``coordinate`` (rank 0: agree
-the next batch before the last bucket), ``should_yield`` (a user thread wants to drive),
-``on_shutdown`` (a batch said lightcc stopped everywhere), ``lingering`` (this rank only relays).
+Batches come in one way, through :meth:`BatchExecutor.accept` (the negotiation's delivery, in
+agreement order); the engine's step calls :meth:`BatchExecutor.run`. The hooks it is given are
+how execution lets the rest of the engine work between buckets: ``pump`` (report what was
+submitted meanwhile), ``coordinate`` (rank 0: agree the next batch before the last bucket),
+``should_yield`` (a user thread wants to drive), ``on_shutdown`` (a batch said lightcc stopped
+everywhere).
 """
 from __future__ import annotations
 
@@ -46,49 +47,40 @@ class BatchExecutor:
                  member: Callable[[int], bool], direct: tuple, listeners: list,
                  coordinator: Any, *, pump: Callable[[], None],
                  coordinate: Callable[[], bool] | None, should_yield: Callable[[], bool],
-                 on_shutdown: Callable[[str], None], lingering: Callable[[], bool]) -> None:
+                 on_shutdown: Callable[[str], None]) -> None:
         self.submissions, self.psets, self.status = submissions, psets, status
         self.member, self.direct, self.listeners = member, direct, listeners
         self.coordinator = coordinator
         self.pump, self.coordinate, self.should_yield = pump, coordinate, should_yield
-        self.on_shutdown, self.lingering = on_shutdown, lingering
+        self.on_shutdown = on_shutdown
         self.batches = 0                     # batches executed
         self._backlog: deque = deque()       # agreed batches not yet (fully) executed
         self._plans: dict[tuple, list[list[int]]] = {}   # see _plan()
-        self._running = False                # run() is on the stack (a batch agreed meanwhile
-                                             # waits behind the one running)
 
     def __bool__(self) -> bool:
         """Agreed buckets are waiting."""
         return bool(self._backlog)
 
-    def execute(self, batch: Batch, responses: list) -> None:
-        """Queue an agreed batch behind those not yet executed, and execute what may run."""
+    def accept(self, batch: Batch, responses: list) -> None:
+        """Queue an agreed batch behind those not yet executed (:meth:`run` executes it)."""
         self._backlog.append(_Work(batch, responses))
-        if not self._running:
-            self.run()
 
     def _prepare(self, work: _Work) -> bool:
         """Apply a batch that reached the head of the backlog: settings, gone ranks, this
         rank's entries, the bucket plan. Done in backlog order on every rank, whenever the
-        batch arrived. False when there is nothing to execute (lingering)."""
+        batch arrived."""
         batch, responses = work.batch, work.responses
         if batch.settings:
             self.apply_settings(batch.settings)
         if batch.gone:
             self.status.gone_ranks = frozenset(batch.gone)
         entries = self.submissions.claim(batch.items, responses, self.member)
-        if self.lingering():      # shut down here: only relaying for the children
-            if batch.shutdown:
-                self.on_shutdown(batch.shutdown)
-            return False
         tracer = self.psets.tracer
         if tracer.enabled:
             tracer.instant("engine", "CYCLE", time.perf_counter(), step=self.batches,
                            responses=len(responses))
         work.entries = entries
         work.buckets = self._plan(batch, responses)
-        return True
 
     def run(self) -> None:
         """Execute agreed buckets in order, batch after batch, until none is left or the
@@ -103,39 +95,34 @@ class BatchExecutor:
         have it when they finish this one, and what completed meanwhile with a higher
         priority goes next."""
         backlog, groups = self._backlog, self.psets.groups
-        self._running = True
-        try:
-            while backlog:
-                work = backlog[0]
-                if work.buckets is None and not self._prepare(work):
-                    backlog.popleft()
-                    continue
-                buckets, responses, entries = work.buckets, work.responses, work.entries
-                while work.next < len(buckets):
-                    if self.should_yield():
-                        return
-                    self.pump()         # report new submissions (children's reports, too)
-                    if self.coordinate is not None and work.next == len(buckets) - 1 and \
-                            len(backlog) == 1:
-                        self.coordinate()             # queued behind this batch
-                    bucket = buckets[work.next]
-                    work.next += 1
-                    first = responses[bucket[0]]
-                    req = first.request
-                    work.touched.add(req.pset)
-                    if not first.error and req.coll in (Coll.ADD_PSET, Coll.REMOVE_PSET):
-                        self.psets.change(first)      # the engine's groups change here
-                    if run_bucket(groups.get(req.pset), [responses[i] for i in bucket],
-                                  [entries[i] for i in bucket], self.status.joined,
-                                  self.psets.tracer, self._notify) and req.coll == Coll.JOIN:
-                        self.status.joined = False
-                backlog.popleft()
-                self.psets.stepped(work.touched)
-                self.batches += 1
-                if work.batch.shutdown:
-                    self.on_shutdown(work.batch.shutdown)
-        finally:
-            self._running = False
+        while backlog:
+            work = backlog[0]
+            if work.buckets is None:
+                self._prepare(work)
+            buckets, responses, entries = work.buckets, work.responses, work.entries
+            while work.next < len(buckets):
+                if self.should_yield():
+                    return
+                self.pump()         # report new submissions (children's reports, too)
+                if self.coordinate is not None and work.next == len(buckets) - 1 and \
+                        len(backlog) == 1:
+                    self.coordinate()             # queued behind this batch
+                bucket = buckets[work.next]
+                work.next += 1
+                first = responses[bucket[0]]
+                req = first.request
+                work.touched.add(req.pset)
+                if not first.error and req.coll in (Coll.ADD_PSET, Coll.REMOVE_PSET):
+                    self.psets.change(first)      # the engine's groups change here
+                if run_bucket(groups.get(req.pset), [responses[i] for i in bucket],
+                              [entries[i] for i in bucket], self.status.joined,
+                              self.psets.tracer, self._notify) and req.coll == Coll.JOIN:
+                    self.status.joined = False
+            backlog.popleft()
+            self.psets.stepped(work.touched)
+            self.batches += 1
+            if work.batch.shutdown:
+                self.on_shutdown(work.batch.shutdown)
 
     def take_unexecuted(self) -> list:
         """Take the entries of every bucket not yet executed (to fail their handles; those of
