@@ -28,7 +28,7 @@ class Handle:
         self.request = request
         self._callbacks: list = []
         self._engine = engine
-        self.device_done: Any = None     # GPU results: device.Completion, set by device_exec
+        self.device_done: Any = None     # GPU results: gpu_arrays.Completion, set by execution/gpu.py
 
     def done(self) -> bool:
         """True once complete; never blocks (in lazy mode it also has the background thread

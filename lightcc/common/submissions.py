@@ -15,7 +15,7 @@ from typing import Any, Callable
 
 from .control.messages import COLL_NAMES, ORDERED, SHARED_STREAM, Coll, OrderedItem, Request
 from .exceptions import DuplicateNameError
-from .execution.shared import LocalEntry
+from .execution.reduction import LocalEntry
 
 
 def _stream_name(coll: Coll, stream: int, seq: int, label: str | None) -> str:

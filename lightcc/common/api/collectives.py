@@ -9,7 +9,7 @@ import numpy as np
 
 from .. import dtypes
 from ..control.messages import Coll, Request
-from ..device import DeviceTensor
+from ..gpu_arrays import DeviceTensor
 from ..engine import Handle
 from ..exceptions import InvalidArgumentError
 from ..execution import direct

@@ -61,7 +61,7 @@ import numpy as np
 from .. import dtypes
 from ..exceptions import LightCCError, MismatchError, ShutdownError, StallError
 from .fusion import compression_applies
-from .shared import finish_scaling, nan_mask, prescale, restore_nans
+from .reduction import finish_scaling, nan_mask, prescale, restore_nans
 
 log = logging.getLogger("lightcc")
 
