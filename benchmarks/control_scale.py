@@ -371,7 +371,7 @@ def main() -> None:
         print(f"median after / before: wall {wr:.2f}, CPU {cr:.2f}")
         return
     sys.path.insert(0, str(REPO))
-    from lightcc.common.control.negotiation import DEFAULT_FANOUT
+    from lightcc.common.control.tree import DEFAULT_FANOUT
 
     fanout = args.fanout or DEFAULT_FANOUT
     sizes = [int(s) for s in args.sizes.split(",")]

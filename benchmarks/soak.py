@@ -155,7 +155,7 @@ def worker(args: argparse.Namespace) -> None:
         if rnd % 200 == 0:
             algo = algos[rnd // 200 % len(algos)]
             lcc.barrier()
-            eng._apply_settings({"algorithm": algo})   # same value, same point, every rank
+            eng.executor.apply_settings({"algorithm": algo})   # same value, same point, every rank
         ops = []
         for k in range(int(plan.integers(1, 9))):
             kind = KINDS[int(plan.integers(len(KINDS)))]
@@ -294,7 +294,7 @@ def _sample(proc, eng, ops: int, seconds: float) -> dict:
             "fds": _settled_fds(proc), "cache": len(eng.cache),
             "cache_ids": len(eng.cache._entries),
             "coord_pending": len(coord.pending) if coord else 0,
-            "inflight": len(eng._inflight), "fusion_mb": eng.group(0).fusion.nbytes / 2 ** 20,
+            "inflight": len(eng.submissions.inflight), "fusion_mb": eng.group(0).fusion.nbytes / 2 ** 20,
             "comp_state_keys": state_keys, "comp_state_mb": state_bytes / 2 ** 20}
 
 

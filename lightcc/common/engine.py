@@ -1,18 +1,28 @@
-"""The background thread: queue, negotiation messages, execution, handles, lifecycle.
+"""The background thread: driving, waking and shutdown of objects that each own their state.
 
-One :class:`Engine` per ``init()``. User threads call :meth:`Engine.submit`, which checks what
-can be checked locally and queues the request. Whichever thread holds the progress lock (the
-background thread, or a user thread waiting in ``synchronize()``, which then drives progress
-itself) runs :meth:`Engine._step`:
+One :class:`Engine` per ``init()``, composed of:
 
-1. report what is new (control/link.py, :class:`~.control.negotiator.Negotiator`): a request the
-   rank's response or signature cache holds becomes a bit in the control tree's bit vectors,
-   anything else goes to rank 0 in full; a rank with children in the tree also merges their
-   reports and sends one report to its parent;
+- :class:`~.status.EngineStatus`: its lifecycle as others read it;
+- :class:`~.submissions.Submissions`: the queue, in-flight table and ordered streams;
+- :class:`~.control.negotiation.Negotiation`: the control plane, this rank's negotiator and
+  (rank 0) the coordinator;
+- :class:`~.execution.process_sets.ProcessSets`: the groups and their settings;
+- :class:`~.execution.batches.BatchExecutor`: the backlog of agreed batches, run bucket by
+  bucket through execution/run.py.
+
+Requests flow one way: ``submit()`` -> Submissions -> (reported by) Negotiation -> agreed
+batches delivered to the BatchExecutor -> handles completed. User threads call
+:meth:`Engine.submit`, which checks what can be checked locally and queues the request.
+Whichever thread holds the progress lock (the background thread, or a user thread waiting in
+``synchronize()``, which then drives progress itself) runs :meth:`Engine._step`:
+
+1. report what is new: a request the rank's response or signature cache holds becomes a bit in
+   the control tree's bit vectors, anything else goes to rank 0 in full; a rank with children
+   in the tree also merges their reports and sends one report to its parent;
 2. on rank 0, feed what the tree agreed and what ranks sent to the
    :class:`~.control.controller.Coordinator` and send the batch it decides on down the tree;
-3. pass each batch on to the children and execute it (execution/batches.py, then
-   execution/run.py per bucket: the same order on every rank), completing the handles.
+3. pass each batch on to the children and execute it (the same order on every rank),
+   completing the handles.
 
 Nothing polls: with nothing to do, the stepping thread blocks in the kernel on the control
 plane's sockets until a message arrives, a submission wakes it, or the coordinator's next
@@ -20,30 +30,30 @@ deadline (cycle time, stall scan) passes. So lightcc's waiting costs no CPU that
 """
 from __future__ import annotations
 
-import itertools
 import logging
 import threading
 import time
-from collections import deque
 from typing import Any
 
 from .backends.mpi import MPICommunicator
 from .config import Config
 from .control.controller import Coordinator
-from .control.link import MAX_WAIT_S, ControlLink
-from .control.messages import COLL_NAMES, ORDERED, SHARED_STREAM, Coll, Request
-from .control.negotiation import demote_after
+from .control.negotiation import MAX_WAIT_S, Negotiation
+from .control.messages import SHARED_STREAM, Coll, Request
+from .control.tree import demote_after
 from .control.negotiator import Negotiator
 from .control.transport import ControlPlane
-from .exceptions import DuplicateNameError, InvalidArgumentError, LightCCError, ShutdownError
+from .exceptions import InvalidArgumentError, LightCCError, ShutdownError
 from .execution import fusion
-from .execution.batches import BatchRunner
+from .execution.batches import BatchExecutor
 from .execution.group import ExecSettings, Group
-from .execution.shared import LocalEntry
+from .execution.process_sets import ProcessSets
 from .handle import Handle
 from .observability import flight
+from .status import EngineStatus
+from .submissions import Submissions
 from .topology import build, overlap_in_background
-from .tracing import NULL, Tracer
+from .tracing import Tracer
 
 log = logging.getLogger("lightcc")
 
@@ -53,19 +63,9 @@ GATHER_S = 0.005           # eager mode: during a burst, the background thread s
 DRIVER_LOCK_WAIT_S = 0.002  # a driver that finds another thread stepping re-checks this often
 
 
-def _stream_name(coll: Coll, stream: int, seq: int, label: str | None) -> str:
-    """The name of an ordered request: its label, else Horovod's generated name for per-type
-    streams (``allreduce.noname.7``) or ``ordered.7`` on the shared stream."""
-    if label is not None:
-        return label
-    if stream == SHARED_STREAM:
-        return f"ordered.{seq}"
-    return f"{COLL_NAMES[Coll(stream)]}.noname.{seq}"
-
-
-class Engine(ControlLink, BatchRunner):
-    """One process's lightcc runtime (see module docstring): the thread, the queue, handles
-    and lifecycle here; negotiation in :class:`ControlLink`, batches in :class:`BatchRunner`."""
+class Engine:
+    """One process's lightcc runtime (see module docstring): the thread, driving, waking and
+    shutdown here; the state in the objects it is composed of."""
 
     def __init__(self, config: Config, base: MPICommunicator, hostnames: list[str]) -> None:
         self.config = config
@@ -76,13 +76,8 @@ class Engine(ControlLink, BatchRunner):
         self.rank, self.size = world.rank, world.size
         self._plane = ControlPlane(base.comm, hostnames, config.control_addr,
                                    config.control_fanout)
-        self.settings = ExecSettings.from_config(config)
-        self.groups: dict[int, Group] = {0: Group(0, tuple(range(self.size)), self.topo,
-                                                  self.settings, progress=self._pump,
-                                                  direct=self._direct_path(
-                                                      base, tuple(range(self.size))))}
-        self.tracer: Tracer = NULL
-        self.batches = 0                     # batches executed
+        self.status = EngineStatus()         # what others may read (written here only)
+        self.submissions = Submissions(self.rank)   # queue, in-flight table, streams
         self.coordinator = (Coordinator(self.size, config.cache_capacity,
                                         config.cycle_time / 1000.0, config.fusion_threshold,
                                         config.stall_check_time, config.stall_shutdown_time)
@@ -92,34 +87,28 @@ class Engine(ControlLink, BatchRunner):
                               demote_after(config.stall_check_time, config.stall_shutdown_time),
                               self.coordinator)
         self.cache, self.sigcache = self.neg.cache, self.neg.sigcache
-        self._inbox: deque = deque()         # batches from the parent, not yet handled
-        self._lingering = False              # shut down here, still relaying for children
-        self._lock = threading.Lock()        # queue, in-flight table, sequence numbers
+        self.negotiation = Negotiation(self._plane, self.neg, self.coordinator,
+                                       self.submissions, self.status, config.shutdown_timeout,
+                                       self._deliver, self._remote_shutdown)
+        self.psets = ProcessSets(config, self.topo, hostnames, self.rank, base,
+                                 self.negotiation.pump)
+        self.groups: dict[int, Group] = self.psets.groups   # read here; written by psets
+        self.listeners: list = []      # callables(event: str, **info), e.g. the autotuner
+        neg = self.neg
+        self.executor = BatchExecutor(
+            self.submissions, self.psets, self.status, lambda p: neg.index(p) is not None,
+            fusion.direct_bytes(self.topo.num_nodes), self.listeners, self.coordinator,
+            pump=self.negotiation.pump,
+            coordinate=self.negotiation.coordinate if self.coordinator is not None else None,
+            should_yield=self._should_yield, on_shutdown=self._remote_shutdown)
+        self._driving_for: Handle | None = None   # the handle the stepping thread waits for
         self._progress = threading.Lock()    # serializes _step(): every MPI call is under it
         self._cv = threading.Condition()     # guards _drivers
         self._drivers = 0                    # user threads currently driving progress
         self._bg_sleeping = False            # the background thread is (about to be) asleep
         self._drv_sleeping = False           # a driving thread is (about to be) blocked
-        self._queue: list[LocalEntry] = []
-        self._inflight: dict[tuple, LocalEntry] = {}
-        self._streams: dict[tuple[int, int], deque] = {}   # (pset, stream) -> entries
-        self._seq: dict[tuple[int, int], int] = {}          # (pset, stream) -> next seq
-        self._joined = False
-        self._stopping = False
-        self._dead: BaseException | None = None
-        self._coordinator_gone = ""
-        self.gone_ranks: frozenset[int] = frozenset()   # ranks that shut down or exited
-        self._closed_seen: set[int] = set()
-        self._counters: dict[tuple[int, int], itertools.count] = {}
         self.lazy = not overlap_in_background(config.overlap, self.topo)
-        self._queued_at = 0.0                # when the oldest queued entry was queued
-        self._urgent = False                 # the queue holds work nobody may hold back
-        self._flushed_at = 0.0               # when the queue was last sent (burst gathering)
-        self._plans: dict[tuple, list[list[int]]] = {}   # see _plan()
-        self._backlog: deque = deque()       # agreed buckets not yet executed (_run_backlog)
-        self._direct = fusion.direct_bytes(self.topo.num_nodes)   # the same on every rank
         self.missed_wakeups = 0              # background sleeps that ignored queued work
-        self.listeners: list = []      # callables(event: str, **info), e.g. the autotuner
         self.flight = flight.attach(self.rank, self.size, config.flight_records, config.flight_dir)
         self._thread = threading.Thread(target=self._run, name="lightcc-engine", daemon=True)
         self._thread.start()
@@ -127,23 +116,32 @@ class Engine(ControlLink, BatchRunner):
     # ---- user-thread API ---------------------------------------------------------------------
     def auto_name(self, coll: Coll, pset: int = 0) -> str:
         """Horovod-style generated name; counters are per collective type and process set."""
-        with self._lock:
-            counter = self._counters.setdefault((int(coll), pset), itertools.count())
-            return f"{coll.name.lower()}.noname.{next(counter)}"
+        return self.submissions.auto_name(coll, pset)
+
+    @property
+    def batches(self) -> int:
+        """Batches executed on this rank."""
+        return self.executor.batches
+
+    @property
+    def settings(self) -> ExecSettings:
+        return self.psets.settings
 
     @property
     def fusion_threshold(self) -> int:
-        return self.settings.fusion_threshold
+        return self.psets.settings.fusion_threshold
 
     @property
     def algorithm(self) -> str:
-        return self.settings.algorithm
+        return self.psets.settings.algorithm
+
+    @property
+    def tracer(self) -> Tracer:
+        return self.psets.tracer
 
     def set_tracer(self, tracer: Any) -> None:
         """Route trace events of the executor and every communicator to ``tracer``."""
-        self.tracer = tracer
-        for group in self.groups.values():
-            group.set_tracer(tracer)
+        self.psets.set_tracer(tracer)
 
     def group(self, pset_id: int) -> Group:
         """The process set ``pset_id`` (InvalidArgumentError when it does not exist here)."""
@@ -166,38 +164,14 @@ class Engine(ControlLink, BatchRunner):
         """
         handle = Handle(request, self)
         now = time.perf_counter()
-        with self._lock:
-            self._check_alive()
-            if stream is None:
-                key = request.key
-                if key in self._inflight:
-                    raise DuplicateNameError(f"{request.describe()} is already in flight on "
-                                             f"rank {self.rank}; wait for it or use another "
-                                             f"name")
-            else:
-                sk = (request.pset, stream)
-                seq = self._seq.get(sk, 0)
-                self._seq[sk] = seq + 1
-                request = request._replace(name=_stream_name(request.coll, stream, seq, label))
-                handle.request = request
-                key = (ORDERED, request.pset, stream, seq)
-            entry = LocalEntry(key, array, out, handle, now, request, stream)
-            if stream is not None:
-                self._streams.setdefault(sk, deque()).append(entry)
-            self._inflight[key] = entry
-            first = not self._queue
-            if first:
-                self._queued_at = now
-            self._queue.append(entry)
-            # lazy mode holds what a thread will wait for through synchronize(); the shared
-            # ordered stream (torch.distributed) is awaited through torch futures lightcc
-            # cannot see, so it is sent at once in every mode. Other eager work is gathered
-            # during a burst (see _step), so the background thread is woken by the first
-            # entry of a queue only.
-            eager = not self.lazy or stream == SHARED_STREAM
-            newly_urgent = stream == SHARED_STREAM and not self._urgent
-            if newly_urgent:
-                self._urgent = True
+        first, newly_urgent = self.submissions.add(handle, request, array, out, now, stream,
+                                                   label, self.status.check)
+        # lazy mode holds what a thread will wait for through synchronize(); the shared
+        # ordered stream (torch.distributed) is awaited through torch futures lightcc cannot
+        # see, so it is sent at once in every mode. Other eager work is gathered during a
+        # burst (see _step), so the background thread is woken by the first entry of a queue
+        # only.
+        eager = not self.lazy or stream == SHARED_STREAM
         if wake and eager and (self._drv_sleeping or
                                (self._bg_sleeping and (first or newly_urgent))):
             self._plane.wake()
@@ -205,19 +179,18 @@ class Engine(ControlLink, BatchRunner):
             self.flight.record(handle, now)
         return handle
 
-    def _check_alive(self) -> None:
-        if self._dead is not None:
-            raise LightCCError(f"lightcc's background thread stopped: {self._dead}") \
-                from self._dead
-        if self._coordinator_gone:
-            raise ShutdownError(self._coordinator_gone)
-        if self._stopping:
-            raise ShutdownError("lightcc is shutting down on this rank")
+    def mark_joined(self) -> None:
+        """``join()`` ran on this rank: its share of allreduces is zeros until the JOIN runs."""
+        self.status.joined = True
+
+    def has_queued(self) -> bool:
+        """Submissions not yet reported to the control tree (an unlocked peek)."""
+        return bool(self.submissions.queue)
 
     def shutdown(self, timeout: float) -> None:
         """Stop the thread; pending handles fail with ShutdownError. Never blocks past timeout."""
-        with self._lock:
-            self._stopping = True
+        with self.submissions.lock:        # a submit() after this raises, one before is failed
+            self.status.stopping = True
         with self._cv:
             self._cv.notify_all()
         self._plane.wake()
@@ -226,9 +199,7 @@ class Engine(ControlLink, BatchRunner):
             log.warning("lightcc background thread did not stop within %.0f s "
                         "(blocked in a collective with a rank that is gone?)", timeout)
             return
-        for group in list(self.groups.values()):
-            if group.topo is not None:
-                group.free()
+        self.psets.free()
 
     # ---- progress ----------------------------------------------------------------------------
     def drive(self, handle: Handle, timeout: float | None) -> None:
@@ -241,8 +212,8 @@ class Engine(ControlLink, BatchRunner):
         with self._cv:
             self._drivers += 1
         try:
-            while not handle._done:
-                if self._dead is not None or self._stopping:
+            while not handle.is_done:
+                if self.status.stopped():
                     return
                 wait = MAX_WAIT_S
                 if deadline is not None:
@@ -252,7 +223,7 @@ class Engine(ControlLink, BatchRunner):
                 if not self._progress.acquire(timeout=DRIVER_LOCK_WAIT_S):
                     continue          # another thread is stepping; look at the handle again
                 try:
-                    if not handle._done:
+                    if not handle.is_done:
                         self._driving_for = handle      # see _should_yield
                         self._step(wait, handle)
                 finally:
@@ -269,7 +240,7 @@ class Engine(ControlLink, BatchRunner):
         that waits outside the engine, on the direct path, starts the work it queued)."""
         if self._progress.acquire(blocking=False):
             try:
-                if self._dead is None and not self._stopping:
+                if not self.status.stopped():
                     self._step(0.0, None)
             finally:
                 self._progress.release()
@@ -279,22 +250,16 @@ class Engine(ControlLink, BatchRunner):
         waiting for it. The background thread sends it at once (the queue is marked urgent).
         The polling thread does no step itself: a step executes whatever collectives are
         agreed, which waits for the other ranks, and poll() must not wait."""
-        if not self._queue or self._urgent:      # unlocked peek, rechecked under the lock
-            return
-        with self._lock:
-            if not self._queue:
-                return
-            self._urgent = True
-        if self._bg_sleeping:
+        if self.submissions.mark_urgent() and self._bg_sleeping:
             self._plane.wake()
 
     def _run(self) -> None:
         try:
             while True:
                 with self._cv:
-                    while self._drivers and not self._stopping:
+                    while self._drivers and not self.status.stopping:
                         self._cv.wait()
-                if self._stopping:
+                if self.status.stopping:
                     with self._progress:
                         self._step(0.0, None)
                         self._stop_thread()
@@ -309,17 +274,15 @@ class Engine(ControlLink, BatchRunner):
                     finally:
                         self._bg_sleeping = False
                     # urgent work is never held; eager work only for a hold (<= GATHER_S)
-                    if time.monotonic() >= until and (self._urgent or (
-                            self._queue and not self.lazy and sleep > GATHER_S)):
+                    subs = self.submissions
+                    if time.monotonic() >= until and (subs.urgent or (
+                            subs.queue and not self.lazy and sleep > GATHER_S)):
                         self.missed_wakeups += 1    # slept it out with work queued (a bug)
         except BaseException as exc:  # never die silently: fail everything that waits
             log.exception("lightcc background thread failed")
-            with self._lock:
-                self._dead = exc
-                entries = list(self._inflight.values()) + self._backlog_entries()
-                self._inflight.clear()
-                self._queue.clear()
-                self._streams.clear()
+            with self.submissions.lock:
+                self.status.dead = exc
+            entries = self.submissions.drain() + self.executor.take_unexecuted()
             for e in entries:
                 e.handle._set(error=LightCCError(f"background thread failed: {exc!r}"))
 
@@ -337,19 +300,24 @@ class Engine(ControlLink, BatchRunner):
         few control rounds, not one each; the shared ordered stream and a waiting thread are
         never held.
         """
-        if self._backlog and self._resume(handle):    # agreed buckets first, in order
-            return 0.0
+        executor = self.executor
+        if executor:                 # agreed buckets first, in order
+            executor.run()
+            if executor or (handle is not None and handle.is_done):
+                return 0.0
+        negotiation = self.negotiation
         hold = 0.0
-        if background and self._queue and not self._urgent and not self._drivers:
+        subs = self.submissions
+        if background and subs.queue and not subs.urgent and not self._drivers:
             if self.lazy:
-                hold = self._queued_at + LAZY_FLUSH_S - time.perf_counter()
+                hold = subs.queued_at + LAZY_FLUSH_S - time.perf_counter()
             else:        # a burst (backward's gradients): gather for GATHER_S after a send
-                hold = self._flushed_at + GATHER_S - time.perf_counter()
-        progressed = self._flush_queue() if hold <= 0.0 else False
-        if self.neg.scan(time.monotonic()):
-            self._send_up()                    # what waited too long goes up rank by rank
-        if self.coordinator is not None:
-            progressed |= self._coordinate()
+                hold = negotiation.flushed_at + GATHER_S - time.perf_counter()
+        progressed = negotiation.report() if hold <= 0.0 else False
+        negotiation.scan(time.monotonic())     # what waited too long goes up rank by rank
+        if self.coordinator is not None and negotiation.coordinate():
+            progressed = True
+            executor.run()
         if background:
             # read what arrived first, and only then declare sleep: a wake byte sent after
             # _bg_sleeping is set stays in the socket for the wait() that follows (reading
@@ -359,15 +327,15 @@ class Engine(ControlLink, BatchRunner):
                 return 0.0
             timeout = self._sleep_time(wait, hold)
             self._bg_sleeping = True
-            if (self._queue and (hold <= 0.0 or self._urgent)) or self._stopping \
-                    or self._drivers:             # (_urgent: set by expedite before it
+            if (subs.queue and (hold <= 0.0 or subs.urgent)) or self.status.stopping \
+                    or self._drivers:             # (urgent: set by expedite before it
                 self._bg_sleeping = False         # could see _bg_sleeping)
                 return 0.0
             return timeout
         timeout = 0.0 if progressed else self._sleep_time(wait, hold)
         if timeout > 0.0:
             self._drv_sleeping = True          # submit() wakes this poll from here on
-            if self._queue or self._stopping or (handle is not None and handle._done):
+            if subs.queue or self.status.stopping or (handle is not None and handle.is_done):
                 timeout = 0.0
         try:
             frames = self._plane.poll(timeout)
@@ -376,21 +344,52 @@ class Engine(ControlLink, BatchRunner):
         self._receive(frames)
         return 0.0
 
+    def _receive(self, frames: list) -> bool:
+        """Control frames in (batches delivered in order), then execute what they agreed,
+        then act on closed connections; rank 0 then agrees what the frames completed."""
+        negotiation, executor = self.negotiation, self.executor
+        progressed = negotiation.receive(frames)
+        if executor:
+            executor.run()
+        progressed |= negotiation.check_closed()
+        if frames and self.coordinator is not None and negotiation.coordinate():
+            executor.run()
+        return progressed
+
     def _sleep_time(self, wait: float, hold: float) -> float:
         """How long a step with nothing to do may block: ``wait``, or less for the
         coordinator's next deadline (rank 0), the node's stall scan or the end of a lazy
         hold."""
-        wait = min(wait, self.neg.next_deadline(time.monotonic()))
-        if self.coordinator is not None:
-            wait = min(wait, self.coordinator.next_deadline())
+        wait = min(wait, self.negotiation.next_deadline(time.monotonic()))
         return min(wait, hold) if hold > 0.0 else wait
+
+    def _should_yield(self) -> bool:
+        """Stop executing at this bucket boundary? The background thread stops as soon as a
+        user thread drives (waits in ``synchronize()``), which then executes the next bucket
+        itself instead of waiting for the rest of the batch. A driver goes on to the end of
+        the backlog (handing the engine back and forth between threads costs more than the
+        buckets it would leave: a thread that must not wait for the rest waits without
+        driving, as cross-barrier mode's pre-forward hooks do)."""
+        return self._driving_for is None and self._drivers > 0 and not self.status.stopping
+
+    def _deliver(self, batch: Any, responses: list) -> None:
+        """An agreed batch, from the negotiation into the executor's backlog (in agreement
+        order; the step runs it)."""
+        self.executor.accept(batch, responses)
 
     # ---- shutdown ----------------------------------------------------------------------------
     def _fail_all(self, make_error) -> None:
-        with self._lock:
-            entries = list(self._inflight.values()) + self._backlog_entries()
-            self._inflight.clear()
-            self._queue.clear()
-            self._streams.clear()
+        entries = self.submissions.drain() + self.executor.take_unexecuted()
         for e in entries:
             e.handle._set(error=make_error(e))
+
+    def _remote_shutdown(self, reason: str) -> None:
+        """lightcc stopped on every rank (a batch said so, or the coordinator is unreachable)."""
+        self.status.shut_down = f"lightcc was shut down on all ranks: {reason}"
+        self._fail_all(lambda e: ShutdownError(f"{e.handle.request.describe()}: "
+                                               f"{self.status.shut_down}"))
+
+    def _stop_thread(self) -> None:
+        self._fail_all(lambda e: ShutdownError(f"{e.handle.request.describe()} was pending when "
+                                               f"shutdown() ran on rank {self.rank}"))
+        self.negotiation.stop()

@@ -28,7 +28,7 @@ class Handle:
         self.request = request
         self._callbacks: list = []
         self._engine = engine
-        self.device_done: Any = None     # GPU results: device.Completion, set by device_exec
+        self.device_done: Any = None     # GPU results: gpu_arrays.Completion, set by execution/gpu.py
 
     def done(self) -> bool:
         """True once complete; never blocks (in lazy mode it also has the background thread
@@ -36,6 +36,34 @@ class Handle:
         if not self._done and self._engine is not None and self._engine.lazy:
             self._engine.expedite()
         return self._done
+
+    @property
+    def is_done(self) -> bool:
+        """True once complete, with no side effect (``done()`` may start queued work)."""
+        return self._done
+
+    @property
+    def failure(self) -> BaseException | None:
+        """The collective's error once it completed with one, else None (never waits)."""
+        return self._error if self._done else None
+
+    def wait_passive(self) -> bool:
+        """Wait for completion without driving an eager engine (its background thread
+        executes the buckets; this thread wakes when this handle is done, or the engine stops).
+        False, without waiting, when only a driving wait can complete it (no engine, or lazy
+        mode: use :meth:`wait`)."""
+        if self._done:
+            return True
+        engine = self._engine
+        if engine is None or engine.lazy:
+            return False
+        waiter = self._waiter
+        if waiter is None:
+            waiter = self._waiter = threading.Event()
+        status = engine.status
+        while not self._done and not status.stopped():
+            waiter.wait(1.0)             # _set() publishes the flag, then sets the event
+        return True
 
     def wait(self, timeout: float | None = None) -> Any:
         """Block until complete; return the result or raise the collective's error.

@@ -3,7 +3,7 @@ tensor allows it.
 
 A contiguous CPU tensor becomes ``t.detach().numpy()`` (same memory); bfloat16 goes through an
 int16 view re-typed as ``ml_dtypes.bfloat16``. A contiguous CUDA tensor becomes a
-:class:`~lightcc.common.device.DeviceTensor` (a zero-copy CuPy view; bfloat16 as int16 bits,
+:class:`~lightcc.common.gpu_arrays.DeviceTensor` (a zero-copy CuPy view; bfloat16 as int16 bits,
 bool as uint8) whose ready event is recorded on torch's current stream, so the engine's stream
 waits for the kernels that produced it. A non-contiguous tensor is staged through a contiguous
 copy on its own device; :class:`Staged` remembers where the result must be copied back. Tensors
@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..common import device, dtypes
+from ..common import dtypes, gpu_arrays
 from ..common.exceptions import UnsupportedDTypeError
 
 _BF16 = dtypes.BFLOAT16
@@ -168,7 +168,7 @@ def _cupy() -> Any:
     return kc.cupy_or_raise()
 
 
-def device_array(t: torch.Tensor, ready: bool = False) -> device.DeviceTensor:
+def device_array(t: torch.Tensor, ready: bool = False) -> gpu_arrays.DeviceTensor:
     """A DeviceTensor viewing the contiguous CUDA tensor ``t`` (no copy).
 
     With ``ready``, its ready event is recorded now on torch's current stream of ``t``'s
@@ -178,12 +178,12 @@ def device_array(t: torch.Tensor, ready: bool = False) -> device.DeviceTensor:
 
     t = t.detach()
     if t.dtype in (torch.bfloat16, torch.bool):    # CuPy has neither: integer bits
-        dt = device.torch_view(t)
+        dt = gpu_arrays.torch_view(t)
     else:
-        dt = device.DeviceTensor(kc.as_cupy(t))
+        dt = gpu_arrays.DeviceTensor(kc.as_cupy(t))
     if ready:
         cupy = _cupy()
-        dt.ready = device.record_event(dt.device, cupy.cuda.ExternalStream(
+        dt.ready = gpu_arrays.record_event(dt.device, cupy.cuda.ExternalStream(
             torch.cuda.current_stream(t.device).cuda_stream, dt.device))
     return dt
 

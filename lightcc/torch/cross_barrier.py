@@ -10,7 +10,6 @@ reads parameters or optimizer state drains every pending update first. docs/cros
 """
 from __future__ import annotations
 
-import threading
 from typing import Any
 
 import torch
@@ -58,16 +57,11 @@ def _await(handle: Any) -> bool:
     the buckets back to back; this thread wakes when its own is done). False, without
     waiting, in lazy mode and for anything else: ``Handle.wait`` (which drives) does it."""
     for h in getattr(handle, "handles", None) or (handle,):
-        if getattr(h, "_done", False) is True:
+        if getattr(h, "is_done", False) is True:
             continue
-        engine = getattr(h, "_engine", None)
-        if engine is None or engine.lazy or not hasattr(h, "_waiter"):
+        wait = getattr(h, "wait_passive", None)
+        if wait is None or not wait():
             return False
-        waiter = h._waiter
-        if waiter is None:
-            waiter = h._waiter = threading.Event()
-        while not h._done and engine._dead is None and not engine._stopping:
-            waiter.wait(1.0)             # _set() publishes the flag, then sets the event
     return True
 
 
@@ -76,8 +70,8 @@ def _completed(handle: Any) -> bool:
     False for what it cannot tell."""
     pieces = getattr(handle, "handles", None)
     if pieces is not None:
-        return all(getattr(h, "_done", False) for h in pieces)
-    return getattr(handle, "_done", False) is True
+        return all(getattr(h, "is_done", False) for h in pieces)
+    return getattr(handle, "is_done", False) is True
 
 
 class _Reduction:

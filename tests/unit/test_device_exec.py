@@ -1,4 +1,4 @@
-"""The engine's GPU path (execution/device.py, backends/factory.py, backends/staged.py) against the
+"""The engine's GPU path (execution/gpu.py, backends/factory.py, backends/staged.py) against the
 CuPy/NCCL doubles, with thread ranks: results equal the host path's bit for bit, the stream and
 event order is the documented one with no host synchronization, buckets never mix host and
 device tensors, and the MPI staging and CPU-reduce paths copy through pinned memory.
@@ -12,14 +12,15 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from lightcc.common import device, dtypes
+from lightcc.common import dtypes
+from lightcc.common import gpu_arrays as device
 from lightcc.common.backends.staged import StagedCommunicator
 from lightcc.common.control.messages import Coll, Request, Response
 from lightcc.common.engine import Handle
 from lightcc.common.exceptions import LightCCError
 from lightcc.common.execution import fusion, run
 from lightcc.common.execution.group import ExecSettings, Group
-from lightcc.common.execution.shared import LocalEntry
+from lightcc.common.execution.reduction import LocalEntry
 from lightcc.common.topology import build
 from tests.doubles import fake_cupy, fake_nccl, install
 

@@ -40,7 +40,7 @@ def test_scaling_checks_allow_integers_not_bool():
 
 
 def test_executor_folds_average_into_the_postscale_factor_like_horovod():
-    from lightcc.common.execution import shared
+    from lightcc.common.execution import reduction as shared
 
     sums = np.array([-49, -7, 5, 49, 100], np.int64)
     buf = sums.copy()

@@ -1,4 +1,4 @@
-"""The control tree (negotiation.py, negotiator.py) with a whole job simulated in one process.
+"""The control tree (tree.py, negotiator.py) with a whole job simulated in one process.
 
 Every rank runs its real :class:`Negotiator`; messages travel as the bytes the engine sends, one
 FIFO queue per tree edge, delivered in a random order across edges (as a loaded machine would).
@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 from lightcc.common.control.controller import Coordinator
 from lightcc.common.control.messages import SHARED_STREAM, Batch, Coll, OrderedItem, Request, Response
-from lightcc.common.control.negotiation import bits, demote_after, layout
+from lightcc.common.control.tree import bits, demote_after, layout
 from lightcc.common.control.negotiator import Negotiator
 
 

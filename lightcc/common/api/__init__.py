@@ -1,7 +1,7 @@
 """The framework-agnostic public API on NumPy and GPU arrays (re-exported by ``lightcc``).
 
 GPU arrays (CuPy, torch CUDA tensors, DLPack / ``__cuda_array_interface__``) enter zero-copy as
-``device.DeviceTensor``s and run through ``execution/device.py``; host arrays are never checked
+``gpu_arrays.DeviceTensor``s and run through ``execution/gpu.py``; host arrays are never checked
 for it beyond one type test (docs/gpu.md).
 
 Every collective has an ``*_async`` form that returns a :class:`~.engine.Handle` at once and

@@ -7,10 +7,10 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from .. import device, dtypes
+from .. import dtypes, gpu_arrays
 from ..algorithms import adasum
 from ..control.messages import SHARED_STREAM, Coll, Request
-from ..device import DeviceTensor
+from ..gpu_arrays import DeviceTensor
 from ..engine import Engine
 from ..exceptions import InvalidArgumentError, UnsupportedDTypeError
 from .state import Adasum, Average, ProcessSet, _get
@@ -37,8 +37,8 @@ def _as_array(value: Any, what: str) -> np.ndarray:
         arr = value
     elif isinstance(value, (list, tuple, int, float, bool, np.generic)):
         arr = np.asarray(value)
-    elif device.is_device_array(value):    # GPU memory: a zero-copy CuPy view
-        dt = device.adopt(value, what)
+    elif gpu_arrays.is_device_array(value):    # GPU memory: a zero-copy CuPy view
+        dt = gpu_arrays.adopt(value, what)
         dtypes.name_of(dt.dtype)
         return dt
     elif hasattr(value, "__array__") or hasattr(value, "__array_interface__"):
@@ -113,11 +113,11 @@ def _check_out(out: Any, arr: np.ndarray, what: str) -> None:
 
 
 def _on_device(req: Request, arr: DeviceTensor, out: Any, what: str) -> tuple[Request, Any]:
-    """The request for a GPU tensor (executed by device_exec.py), and ``out`` checked for it;
+    """The request for a GPU tensor (executed by execution/gpu.py), and ``out`` checked for it;
     the process set is tied to the tensor's GPU on this rank."""
-    device.bind(_get().pset(req.pset), arr, what)
+    gpu_arrays.bind(_get().pset(req.pset), arr, what)
     if out is not None:
-        out = device.check_out(out, arr, what)
+        out = gpu_arrays.check_out(out, arr, what)
     return req._replace(device=True), out
 
 

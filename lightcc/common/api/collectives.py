@@ -9,7 +9,7 @@ import numpy as np
 
 from .. import dtypes
 from ..control.messages import Coll, Request
-from ..device import DeviceTensor
+from ..gpu_arrays import DeviceTensor
 from ..engine import Handle
 from ..exceptions import InvalidArgumentError
 from ..execution import direct
@@ -74,7 +74,7 @@ def allreduce_direct(array: Any, op: str | None, prescale_factor: float,
     if group is None or group.direct is None:
         return None
     arr = _as_array(array, "allreduce")
-    eng._check_alive()
+    eng.status.check()
     dt = dtypes.name_of(arr.dtype)
     what = "unnamed allreduce"
     op_ = _op(op, Average, what, dt, adasum=True)
@@ -272,7 +272,7 @@ def join() -> int:
     """Stop contributing: until every rank has joined, this rank's share of allreduces is
     zeros (and of allgathers empty). Returns the last rank to join."""
     eng = _get()
-    eng._joined = True
+    eng.mark_joined()
     handle = eng.submit(Request(Coll.JOIN, "join"))
     path = eng.groups[0].direct
     if path is not None:    # meanwhile, add zeros to the others' direct calls (direct.py)

@@ -7,7 +7,7 @@ import functools
 from typing import Any
 
 from ..control.messages import Coll, Request
-from ..device import DeviceTensor
+from ..gpu_arrays import DeviceTensor
 from ..engine import Engine, Handle
 from ..exceptions import InvalidArgumentError
 from . import state

@@ -7,7 +7,7 @@ time while others are still arriving (so they can be fused), reports stalls, and
 and process sets; :meth:`Coordinator.tick` returns the next :class:`~.messages.Batch`.
 Unit-tested without MPI.
 
-It hears about requests in two ways (negotiation.py has the control tree):
+It hears about requests in two ways (tree.py has the control tree):
 
 - **complete, from the tree** (:meth:`Coordinator.take`): response-cache ids every member
   reported, and ordered positions, agreed in bit vectors on the way up. The steady state: the
@@ -41,7 +41,7 @@ from typing import Any, Callable
 from .cache import ResponseCache, SignatureCache
 from .checks import JOIN_OK, _fmt_ranks, _is_ordered, _Pending, validate  # noqa: F401
 from .messages import ORDERED, Batch, Coll, OrderedItem, RankMessage, Report, Request, Response
-from .negotiation import bits, members_in
+from .tree import bits, members_in
 from .outcomes import SCAN_PERIOD_S, Outcomes  # noqa: F401
 
 
@@ -127,7 +127,7 @@ class Coordinator(Outcomes):
     # -- input: from the control tree -------------------------------------------------------
     def take(self, rep: Report) -> None:
         """What rank 0's node collected: relayed messages, details, lost ranks, then what the
-        tree agreed on (in this order: see negotiation.py)."""
+        tree agreed on (in this order: see tree.py)."""
         for rank, data in rep.slow:
             self.receive(rank, RankMessage.decode(data))
         for cid, ranges, age in rep.named_details:
@@ -262,6 +262,14 @@ class Coordinator(Outcomes):
             self._ready_urgent = True
 
     # -- decisions --------------------------------------------------------------------------
+    def apply_settings(self, settings: dict, fusion_threshold: int) -> None:
+        """Tuned settings of a batch as rank 0 executes it: the cycle time (ms in ``settings``)
+        and the fusion threshold every rank now uses (bytes)."""
+        if "cycle_time" in settings:
+            self.cycle_time = float(settings["cycle_time"]) / 1000.0
+        if "fusion_threshold" in settings:
+            self.fusion_threshold = fusion_threshold
+
     def next_deadline(self) -> float:
         """Seconds until :meth:`tick` has something time-driven to do (hold expiry, scan)."""
         now = self.clock()

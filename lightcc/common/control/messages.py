@@ -6,7 +6,7 @@ description of the collective, including per-rank data that differs legitimately
 first dimensions, alltoall splits). Responses travel in a :class:`Batch`; a response already
 in every rank's response cache travels as its integer id only.
 
-Up the control tree (negotiation.py) travels a :class:`Report` per message: what a subtree
+Up the control tree (tree.py) travels a :class:`Report` per message: what a subtree
 agreed on in the steady state (bit vectors of response-cache ids, ordered positions), and the
 :class:`RankMessage` of each rank that needs rank 0's attention, relayed as opaque bytes.
 
@@ -158,7 +158,7 @@ class RankMessage:
     ``payload`` a signature-cache id or the full :class:`Request`.
 
     In the steady state most requests do not travel here at all: cached ones are agreed in
-    the control tree's bit vectors (negotiation.py). A rank sends a message only for what is
+    the control tree's bit vectors (tree.py). A rank sends a message only for what is
     new, changed, or while ranks have joined or left.
     """
 
@@ -198,11 +198,11 @@ class Batch:
     threshold, algorithm, ...) that take effect from this batch on, on every rank at once.
     ``gone`` are the ranks that shut down or exited so far (the direct path of small unnamed
     allreduces stops waiting for them, direct.py). While ``joined`` or ``gone`` is non-empty
-    every rank reports to rank 0 directly (the *slow mode*, negotiation.py).
+    every rank reports to rank 0 directly (the *slow mode*, tree.py).
 
     ``demote`` (response-cache ids) and ``demote_ordered`` (``(pset, stream, seq)``) name what
     rank 0 needs reported rank by rank: a request some rank sent in full while others may have
-    reported it in the control tree's bit vectors (negotiation.py).
+    reported it in the control tree's bit vectors (tree.py).
     """
 
     items: list[Any] = field(default_factory=list)
@@ -247,7 +247,7 @@ def _decode_item(item: Any) -> Any:
 # ---- up the control tree ------------------------------------------------------------------
 @dataclass
 class Report:
-    """What a node of the control tree sends its parent (negotiation.py), in this order of
+    """What a node of the control tree sends its parent (tree.py), in this order of
     meaning: ``slow`` are ``(rank, RankMessage bytes)`` relayed unopened; ``named_details``
     ``(cache id, ((lo, hi), ...), age s)`` and ``ordered_details`` ``(pset, stream, seq,
     ((lo, hi, signature id), ...), age s)`` say which ranks of the subtree reported something

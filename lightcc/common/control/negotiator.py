@@ -17,7 +17,7 @@ from typing import Callable
 from .cache import ResponseCache, SignatureCache
 from .controller import Coordinator
 from .messages import Batch, Coll, OrderedItem, RankMessage, Report, Request, Response, signature
-from .negotiation import DEFAULT_FANOUT, Node
+from .tree import DEFAULT_FANOUT, Node
 
 
 class Negotiator:

@@ -30,7 +30,7 @@ import time
 from typing import Any, Sequence
 
 from ..exceptions import LightCCError
-from .negotiation import DEFAULT_FANOUT, layout
+from .tree import DEFAULT_FANOUT, layout
 
 log = logging.getLogger("lightcc")
 

@@ -1,27 +1,27 @@
-"""Applying an agreed batch on this rank: tuned settings, gone ranks, the caches, the bucket
-plan (fusion, remembered for repeated batches), process-set changes, then each bucket through
-execution's door (:func:`.run.run`).
+"""Executing agreed batches on this rank (:class:`BatchExecutor`): the backlog of batches not
+yet executed; for each, when it reaches the head, its tuned settings, gone ranks, this rank's
+entries (claimed from :class:`~..submissions.Submissions`) and the bucket plan (fusion,
+remembered for repeated batches); then each bucket through execution's door
+(:func:`.run.run`), process-set changes included (:class:`~.process_sets.ProcessSets`).
 
-:class:`BatchRunner` is a mixin of :class:`~..engine.Engine` (it uses the engine's in-flight
-table, ordered streams, groups and settings under the engine's locks).
+Batches come in one way, through :meth:`BatchExecutor.accept` (the negotiation's delivery, in
+agreement order); the engine's step calls :meth:`BatchExecutor.run`. The hooks it is given are
+how execution lets the rest of the engine work between buckets: ``pump`` (report what was
+submitted meanwhile), ``coordinate`` (rank 0: agree the next batch before the last bucket),
+``should_yield`` (a user thread wants to drive), ``on_shutdown`` (a batch said lightcc stopped
+everywhere).
 """
 from __future__ import annotations
 
 import time
-from typing import Any
+from collections import deque
+from typing import Any, Callable
 
-from ..backends.mpi import MPICommunicator, thread_multiple
 from ..control.messages import Batch, Coll, OrderedItem, Response
-from ..topology import build
 from . import fusion
-from .direct import DirectPath
-from .group import Group
+from .process_sets import ProcessSets
 from .run import run as run_bucket
-from .shared import LocalEntry
 
-#: Settings of :class:`~.group.ExecSettings` that a batch may change (the autotuner's).
-_EXEC_FIELDS = ("fusion_threshold", "algorithm", "auto_thresholds", "min_compress_bytes",
-                "ring_chunk_bytes", "mpi_chunk_bytes", "ef_ttl_steps")
 PLAN_CACHE = 64             # remembered bucket plans of repeated batches
 
 
@@ -39,114 +39,92 @@ class _Work:
         self.touched: set[int] = set()
 
 
-class BatchRunner:
-    """Executing agreed batches, as the engine does it (see module docstring)."""
+class BatchExecutor:
+    """See module docstring. ``member(pset)``: this rank belongs to process set ``pset``;
+    ``coordinator`` (rank 0 only) takes the tuned cycle time and fusion threshold."""
 
-    _driving_for: Any = None     # the handle the thread stepping now waits for (None: none)
-    _running = False             # _run_backlog is on the stack (a batch agreed meanwhile waits)
+    def __init__(self, submissions: Any, psets: ProcessSets, status: Any,
+                 member: Callable[[int], bool], direct: tuple, listeners: list,
+                 coordinator: Any, *, pump: Callable[[], None],
+                 coordinate: Callable[[], bool] | None, should_yield: Callable[[], bool],
+                 on_shutdown: Callable[[str], None]) -> None:
+        self.submissions, self.psets, self.status = submissions, psets, status
+        self.member, self.direct, self.listeners = member, direct, listeners
+        self.coordinator = coordinator
+        self.pump, self.coordinate, self.should_yield = pump, coordinate, should_yield
+        self.on_shutdown = on_shutdown
+        self.batches = 0                     # batches executed
+        self._backlog: deque = deque()       # agreed batches not yet (fully) executed
+        self._plans: dict[tuple, list[list[int]]] = {}   # see _plan()
 
-    def _execute(self, batch: Batch) -> None:
-        """Apply an agreed batch to the caches and the tree node (in arrival order, as it
-        arrives), queue it behind the batches not yet executed, and execute what may run."""
-        responses = self.neg.absorb(batch)
-        self._send_up()           # what the batch demoted goes up rank by rank
+    def __bool__(self) -> bool:
+        """Agreed buckets are waiting."""
+        return bool(self._backlog)
+
+    def accept(self, batch: Batch, responses: list) -> None:
+        """Queue an agreed batch behind those not yet executed (:meth:`run` executes it)."""
         self._backlog.append(_Work(batch, responses))
-        if not self._running:
-            self._run_backlog()
 
     def _prepare(self, work: _Work) -> bool:
         """Apply a batch that reached the head of the backlog: settings, gone ranks, this
         rank's entries, the bucket plan. Done in backlog order on every rank, whenever the
-        batch arrived. False when there is nothing to execute (lingering)."""
+        batch arrived."""
         batch, responses = work.batch, work.responses
         if batch.settings:
-            self._apply_settings(batch.settings)
+            self.apply_settings(batch.settings)
         if batch.gone:
-            self.gone_ranks = frozenset(batch.gone)
-        entries: list = []
-        with self._lock:          # one acquisition for the whole batch
-            for item, resp in zip(batch.items, responses):
-                if isinstance(item, OrderedItem):
-                    entries.append(self._take_ordered(item.pset, item.stream))
-                else:
-                    entries.append(self._inflight.pop(resp.request.key, None))
-        if self._lingering:       # shut down here: only relaying for the children
-            if batch.shutdown:
-                self._remote_shutdown(batch.shutdown)
-            return False
-        if self.tracer.enabled:
-            self.tracer.instant("engine", "CYCLE", time.perf_counter(), step=self.batches,
-                                responses=len(responses))
+            self.status.gone_ranks = frozenset(batch.gone)
+        entries = self.submissions.claim(batch.items, responses, self.member)
+        tracer = self.psets.tracer
+        if tracer.enabled:
+            tracer.instant("engine", "CYCLE", time.perf_counter(), step=self.batches,
+                           responses=len(responses))
         work.entries = entries
         work.buckets = self._plan(batch, responses)
-        return True
 
-    def _run_backlog(self) -> None:
+    def run(self) -> None:
         """Execute agreed buckets in order, batch after batch, until none is left or the
         background thread should stop at a bucket boundary because a user thread waits
-        (:meth:`_should_yield`). What is left stays in the backlog, which every step executes
+        (``should_yield``). What is left stays in the backlog, which every step executes
         first, so the order is the same on every rank. Handles complete bucket by bucket, so
         a thread waiting without driving wakes when its own bucket is done.
 
-        Before each bucket this rank reports what was submitted meanwhile (``_pump``: the
+        Before each bucket this rank reports what was submitted meanwhile (``pump``: the
         backlog may never be empty while the wire is busy), and rank 0 asks the coordinator
         for the next batch before the last bucket of the last batch, so that the other ranks
         have it when they finish this one, and what completed meanwhile with a higher
         priority goes next."""
-        backlog = self._backlog
-        self._running = True
-        try:
-            while backlog:
-                work = backlog[0]
-                if work.buckets is None and not self._prepare(work):
-                    backlog.popleft()
-                    continue
-                buckets, responses, entries = work.buckets, work.responses, work.entries
-                while work.next < len(buckets):
-                    if self._should_yield():
-                        return
-                    self._pump()        # report new submissions (children's reports, too)
-                    if self.coordinator is not None and work.next == len(buckets) - 1 and \
-                            len(backlog) == 1:
-                        self._coordinate()            # queued behind this batch
-                    bucket = buckets[work.next]
-                    work.next += 1
-                    first = responses[bucket[0]]
-                    req = first.request
-                    work.touched.add(req.pset)
-                    if not first.error and req.coll in (Coll.ADD_PSET, Coll.REMOVE_PSET):
-                        self._change_psets(first)     # the engine's groups change here
-                    if run_bucket(self.groups.get(req.pset), [responses[i] for i in bucket],
-                                  [entries[i] for i in bucket], self._joined, self.tracer,
-                                  self._notify) and req.coll == Coll.JOIN:
-                        self._joined = False
-                backlog.popleft()
-                for pset in work.touched:
-                    group = self.groups.get(pset)
-                    if group is not None:
-                        group.step += 1
-                self.batches += 1
-                if work.batch.shutdown:
-                    self._remote_shutdown(work.batch.shutdown)
-        finally:
-            self._running = False
+        backlog, groups = self._backlog, self.psets.groups
+        while backlog:
+            work = backlog[0]
+            if work.buckets is None:
+                self._prepare(work)
+            buckets, responses, entries = work.buckets, work.responses, work.entries
+            while work.next < len(buckets):
+                if self.should_yield():
+                    return
+                self.pump()         # report new submissions (children's reports, too)
+                if self.coordinate is not None and work.next == len(buckets) - 1 and \
+                        len(backlog) == 1:
+                    self.coordinate()             # queued behind this batch
+                bucket = buckets[work.next]
+                work.next += 1
+                first = responses[bucket[0]]
+                req = first.request
+                work.touched.add(req.pset)
+                if not first.error and req.coll in (Coll.ADD_PSET, Coll.REMOVE_PSET):
+                    self.psets.change(first)      # the engine's groups change here
+                if run_bucket(groups.get(req.pset), [responses[i] for i in bucket],
+                              [entries[i] for i in bucket], self.status.joined,
+                              self.psets.tracer, self._notify) and req.coll == Coll.JOIN:
+                    self.status.joined = False
+            backlog.popleft()
+            self.psets.stepped(work.touched)
+            self.batches += 1
+            if work.batch.shutdown:
+                self.on_shutdown(work.batch.shutdown)
 
-    def _resume(self, handle: Any) -> bool:
-        """Execute the backlog first in a step; True when the step should end here (buckets
-        are left, or the driver's ``handle`` is done)."""
-        self._run_backlog()
-        return bool(self._backlog) or (handle is not None and handle._done)
-
-    def _should_yield(self) -> bool:
-        """Stop executing at this bucket boundary? The background thread stops as soon as a
-        user thread drives (waits in ``synchronize()``), which then executes the next bucket
-        itself instead of waiting for the rest of the batch. A driver goes on to the end of
-        the backlog (handing the engine back and forth between threads costs more than the
-        buckets it would leave: a thread that must not wait for the rest waits without
-        driving, as cross-barrier mode's pre-forward hooks do)."""
-        return self._driving_for is None and self._drivers > 0 and not self._stopping
-
-    def _backlog_entries(self) -> list:
+    def take_unexecuted(self) -> list:
         """Take the entries of every bucket not yet executed (to fail their handles; those of
         batches not yet prepared are still in the in-flight table)."""
         entries = []
@@ -159,90 +137,29 @@ class BatchRunner:
     def _plan(self, batch: Batch, responses: list[Response]) -> list[list[int]]:
         """fusion.plan, remembered for batches made only of cache ids (training repeats the
         same batches step after step; ids name the same responses for the whole run)."""
+        settings = self.psets.settings
         key = None
         if not batch.joined and all(isinstance(i, int) or (isinstance(i, OrderedItem) and
                                                             isinstance(i.payload, int))
                                     for i in batch.items):
-            key = (tuple(batch.items), self.settings.fusion_threshold,
-                   self.settings.min_compress_bytes)
+            key = (tuple(batch.items), settings.fusion_threshold, settings.min_compress_bytes)
             buckets = self._plans.get(key)
             if buckets is not None:
                 return buckets
-        buckets = fusion.plan(responses, self.settings.fusion_threshold,
-                              self.settings.min_compress_bytes, *self._direct)
+        buckets = fusion.plan(responses, settings.fusion_threshold,
+                              settings.min_compress_bytes, *self.direct)
         if key is not None:
             if len(self._plans) >= PLAN_CACHE:
                 self._plans.pop(next(iter(self._plans)))
             self._plans[key] = buckets
         return buckets
 
-    def _take_ordered(self, pset: int, stream: int) -> LocalEntry | None:
-        """This rank's next request on an ordered stream (None when it did not submit one:
-        it has joined, or is not a member; a joined member skips the position). Called with
-        ``_lock`` held."""
-        queue = self._streams.get((pset, stream))
-        if queue:
-            entry = queue.popleft()
-            self._inflight.pop(entry.response_key, None)
-            return entry
-        if self.neg.index(pset) is not None:
-            self._seq[(pset, stream)] = self._seq.get((pset, stream), 0) + 1
-        return None
-
     def _notify(self, event: str, **info: Any) -> None:
         for listener in self.listeners:
             listener(event, **info)
 
-    def _apply_settings(self, settings: dict) -> None:
+    def apply_settings(self, settings: dict) -> None:
         """Tuned settings from the coordinator, applied by every rank at the same batch."""
-        exec_changes = {k: v for k, v in settings.items() if k in _EXEC_FIELDS}
-        if exec_changes:
-            if "fusion_threshold" in exec_changes:
-                exec_changes["fusion_threshold"] = int(exec_changes["fusion_threshold"])
-            if "algorithm" in exec_changes:
-                exec_changes["algorithm"] = str(exec_changes["algorithm"])
-            self.settings = self.settings.changed(**exec_changes)
-            for group in self.groups.values():
-                group.apply(self.settings)
+        self.psets.apply(settings)
         if self.coordinator is not None:
-            if "cycle_time" in settings:
-                self.coordinator.cycle_time = float(settings["cycle_time"]) / 1000.0
-            if "fusion_threshold" in settings:
-                self.coordinator.fusion_threshold = self.settings.fusion_threshold
-
-    def _direct_path(self, comm: MPICommunicator, ranks: tuple[int, ...]) -> Any:
-        """A process set's direct path (collective over ``comm``: it duplicates it), or None
-        when LCC_DIRECT_BYTES is 0 or MPI lacks MPI_THREAD_MULTIPLE (the calling thread would
-        use MPI beside the engine's)."""
-        if self.config.direct_bytes <= 0 or not thread_multiple():
-            return None
-        return DirectPath(comm.dup("direct"), ranks, self.config.stall_check_time,
-                          self.config.stall_shutdown_time)
-
-    def _change_psets(self, resp: Response) -> None:
-        """Add or remove the process set of an agreed ADD_PSET / REMOVE_PSET response."""
-        if resp.request.coll == Coll.ADD_PSET:
-            self._add_pset(resp)
-        else:
-            self._remove_pset(resp.request.root)
-
-    def _add_pset(self, resp: Response) -> None:
-        ranks = tuple(resp.request.splits)
-        member = self.rank in ranks
-        sub = self.topo.world.split(0 if member else 1, self.rank, f"pset{resp.value}")
-        if member:
-            hosts = [self.hostnames[r] for r in ranks]
-            topo = build(sub, hosts, self.config.local_size, self.config.cross_transport,
-                         self.config.control_addr)
-            group = Group(resp.value, ranks, topo, self.settings, progress=self._pump,
-                          direct=self._direct_path(sub, ranks))
-            group.set_tracer(self.tracer)
-        else:
-            sub.free()
-            group = Group(resp.value, ranks, None, self.settings)
-        self.groups[resp.value] = group
-
-    def _remove_pset(self, pset_id: int) -> None:
-        group = self.groups.pop(pset_id, None)
-        if group is not None and group.topo is not None:
-            group.free()
+            self.coordinator.apply_settings(settings, self.psets.settings.fusion_threshold)

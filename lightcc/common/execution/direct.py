@@ -61,7 +61,7 @@ import numpy as np
 from .. import dtypes
 from ..exceptions import LightCCError, MismatchError, ShutdownError, StallError
 from .fusion import compression_applies
-from .shared import finish_scaling, nan_mask, prescale, restore_nans
+from .reduction import finish_scaling, nan_mask, prescale, restore_nans
 
 log = logging.getLogger("lightcc")
 
@@ -295,7 +295,7 @@ class DirectPath:
                     log.warning("stall: %s has waited %.1f s on rank %d (direct path for small "
                                 "unnamed allreduces): %s. %s", self._what(plan), waited,
                                 engine.rank, missing, _ORDER_HINT)
-            if engine.lazy and engine._queue:
+            if engine.lazy and engine.has_queued():
                 engine.nudge()          # work this rank queued earlier may be what they wait for
             time.sleep(pause)
             pause = min(pause * 2, MAX_PAUSE_S)
@@ -304,19 +304,17 @@ class DirectPath:
                       join_handle: Any) -> BaseException | None:
         """The error to raise because lightcc stopped on this rank or a member left, or None."""
         what = self._what(plan)
-        if engine._dead is not None:
-            return LightCCError(f"{what}: lightcc's background thread stopped: {engine._dead}")
-        if engine._coordinator_gone:
-            return ShutdownError(f"{what}: {engine._coordinator_gone}")
-        if engine._stopping:
-            return ShutdownError(f"{what}: lightcc is shutting down on this rank")
-        gone = engine.gone_ranks.intersection(self.ranks)
+        status = engine.status
+        stopped = status.error(what)
+        if stopped is not None:
+            return stopped
+        gone = status.gone_ranks.intersection(self.ranks)
         if gone:
             return ShutdownError(f"{what}: rank{'s' if len(gone) > 1 else ''} "
                                  f"{', '.join(map(str, sorted(gone)))} shut down or exited "
                                  f"without making the matching call")
-        if join_handle is not None and join_handle._done and join_handle._error is not None:
-            return join_handle._error
+        if join_handle is not None and join_handle.failure is not None:
+            return join_handle.failure
         return None
 
     @staticmethod

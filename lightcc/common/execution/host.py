@@ -16,7 +16,7 @@ from .. import dtypes
 from ..observability import faults
 from .group import Group
 from .plan import BucketPlan
-from .shared import (bucket_context, bucket_label, finish_scaling, float_factor, nan_mask,
+from .reduction import (bucket_context, bucket_label, finish_scaling, float_factor, nan_mask,
                      needs_nan_mask, prescale, reduce_dtype, restore_nans, trace_bucket,
                      trace_members)
 

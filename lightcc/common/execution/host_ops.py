@@ -11,7 +11,7 @@ from .. import dtypes
 from ..arrays import even_counts
 from ..control.messages import Coll, Response
 from .group import Group
-from .shared import (fault, finish_scaling, nan_mask, needs_nan_mask, prescale, prod, reduce_dtype,
+from .reduction import (fault, finish_scaling, nan_mask, needs_nan_mask, prescale, prod, reduce_dtype,
                      restore_nans)
 
 

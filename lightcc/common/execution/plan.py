@@ -3,7 +3,7 @@
 Whether a compressor applies, which algorithm reduces it and whether the ranks must agree on
 its success afterwards all depend only on values equal on every rank (the bucket's responses,
 the process set's settings and topology, ``LCC_MIN_COMPRESS_BYTES``, fault injection), so every
-rank plans alike. The strategies (host.py, device.py) read the plan and decide nothing again.
+rank plans alike. The strategies (host.py, gpu.py) read the plan and decide nothing again.
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from ..control.messages import Coll, Response
 from ..observability import faults
 from .fusion import effective_compression
 from .group import Group
-from .shared import prod, reduce_dtype
+from .reduction import prod, reduce_dtype
 
 #: algorithms that are one MPI call, with no Python code of their own that could raise on one
 #: rank: a plain bucket of theirs needs no agreement (docs/reliability.md)

@@ -2,7 +2,7 @@
 the same order) and completes its handles, with a result or an error.
 
 It plans the bucket once (plan.py), readies the per-bucket agreement when the plan needs one,
-hands the bucket to its strategy (host.py / host_ops.py for host memory, device.py for GPU
+hands the bucket to its strategy (host.py / host_ops.py for host memory, gpu.py for GPU
 memory), and on failure fails every handle of the bucket on every rank that the agreement
 reached. :func:`execute` is the same without handles or failure handling (tests call it).
 """
@@ -16,7 +16,7 @@ from ..control.messages import Coll, Response
 from ..exceptions import (CollectiveError, InvalidArgumentError, LightCCError, MismatchError,
                           ShutdownError, StallError)
 from ..observability import faults
-from . import device, host, host_ops
+from . import gpu, host, host_ops
 from .group import Group
 from .plan import BucketPlan, make
 
@@ -34,8 +34,8 @@ def execute(group: Group, resps: list[Response], entries: list,
     if plan.error is not None:
         raise plan.error
     if plan.coll == Coll.ALLREDUCE:
-        return (device if plan.device else host).allreduce(group, plan, resps, entries)
-    return [(device if plan.device else host_ops).single(group, resps[0], entries[0])]
+        return (gpu if plan.device else host).allreduce(group, plan, resps, entries)
+    return [(gpu if plan.device else host_ops).single(group, resps[0], entries[0])]
 
 
 def run(group: Group | None, resps: list[Response], entries: list, joined: bool, tracer: Any,
@@ -77,9 +77,9 @@ def run(group: Group | None, resps: list[Response], entries: list, joined: bool,
         if plan.error is not None:
             raise plan.error
         if plan.coll == Coll.ALLREDUCE:
-            results = (device if plan.device else host).allreduce(group, plan, resps, entries)
+            results = (gpu if plan.device else host).allreduce(group, plan, resps, entries)
         else:
-            results = [(device if plan.device else host_ops).single(group, first, entries[0])]
+            results = [(gpu if plan.device else host_ops).single(group, first, entries[0])]
         if tracer.enabled and plan.coll != Coll.ALLREDUCE:
             tracer.span(req.name, req.coll.name, start, time.perf_counter())
     except Exception as exc:

@@ -1,4 +1,4 @@
-"""Negotiation during a long exchange (Engine._pump through Communicator.progress): a tensor
+"""Negotiation during a long exchange (Negotiation.pump through Communicator.progress): a tensor
 submitted while a pipelined fp16 bucket is being exchanged is sent to the coordinator from
 inside that exchange, not after it, and both results are right. Prints ``pump ok``."""
 from __future__ import annotations
@@ -13,7 +13,7 @@ twophase.PIECE_BYTES = 4096            # many pieces: the hook runs between them
 lcc.init()
 R, N = lcc.rank(), lcc.size()
 eng = api.engine()
-real_pump = eng._pump
+real_pump = eng.negotiation.pump
 seen: dict = {}
 b_in = np.full(1000, float(R + 1), np.float32)
 
@@ -22,10 +22,10 @@ def spy() -> None:
     """At the first piece boundary: submit B (as backward would), then let the engine pump."""
     if "b" not in seen:
         seen["b"] = lcc.allreduce_async(b_in, op=lcc.Sum, name="pump.b")
-        seen["queued"] = len(eng._queue)
+        seen["queued"] = len(eng.submissions.queue)
         real_pump()
-        entry = eng._inflight.get(seen["b"].request.key)
-        seen["sent_inside"] = entry is not None and entry.sent_at > 0.0 and not eng._queue
+        entry = eng.submissions.inflight.get(seen["b"].request.key)
+        seen["sent_inside"] = entry is not None and entry.sent_at > 0.0 and not eng.submissions.queue
         seen["a_done_then"] = seen["a"].done()
         return
     real_pump()

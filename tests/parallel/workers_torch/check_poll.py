@@ -43,15 +43,15 @@ def case_init():
     hvd.init()
     R, N = hvd.rank(), hvd.size()
     eng = api.engine()
-    execute = eng._execute
+    run = eng.executor.run
 
-    def recording(batch):
+    def recording():
         what = getattr(_tls, "what", None)
         if what is not None:
             INSIDE_POLL.append(what)
-        return execute(batch)
+        return run()
 
-    eng._execute = recording
+    eng.executor.run = recording
 
 
 def _rows(k: int) -> int:

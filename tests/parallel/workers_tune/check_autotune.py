@@ -17,7 +17,7 @@ steps = int(sys.argv[2])
 lcc.init(fusion_threshold=4096, algorithm="flat")
 eng = api.engine()
 applied = []
-orig = eng._apply_settings
+orig = eng.executor.apply_settings
 
 
 def record(settings):
@@ -25,7 +25,7 @@ def record(settings):
     orig(settings)
 
 
-eng._apply_settings = record
+eng.executor.apply_settings = record
 r, n = lcc.rank(), lcc.size()
 grads = [np.full(k, r + 1.0, np.float32) for k in (3, 100, 2000, 30_000, 100, 7)]
 for step in range(steps):

@@ -7,7 +7,7 @@ device communicators from the backend factory) with the engine's stream current:
 2. pack into the device fusion buffer (one launch; fp16/bf16 widened to fp32, the prescale
    folded in), compress and run the planned algorithm over the device communicators (NCCL, or
    MPI through pinned memory), unpack (the average's ``1/size`` folded in);
-3. an event recorded on the stream completes each handle (:class:`~..device.Completion`): the
+3. an event recorded on the stream completes each handle (:class:`~..gpu_arrays.Completion`): the
    consumer's stream waits on it in ``synchronize()``. No step waits on the host, except what a
    compressor or a staged (MPI) call needs by nature (TopK's candidate count, MPI reading host
    memory).
@@ -28,11 +28,11 @@ from ..arrays import displacements, even_counts
 from ..backends import staged
 from ..compression.base import BucketContext
 from ..control.messages import Coll, Response
-from ..device import Completion, record_event
+from ..gpu_arrays import Completion, record_event
 from ..kernels import cuda as kc
 from .group import Group
 from .plan import BucketPlan
-from .shared import (WIDENED, bucket_context, bucket_label, finish_scaling, float_factor, nan_mask,
+from .reduction import (WIDENED, bucket_context, bucket_label, finish_scaling, float_factor, nan_mask,
                      needs_nan_mask, prescale, reduce_dtype, restore_nans, trace_bucket,
                      trace_members)
 
