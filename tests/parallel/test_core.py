@@ -26,7 +26,8 @@ def _cases(folder) -> Cases:
         c.add(np_, f"errors-{np_}", "errors.py")
         c.add(np_, f"persistent-{np_}", "persistent.py")
         c.add(np_, f"door-{np_}", "door.py")
-    c.add(3, "stall", "stall.py", env=STALL)
+    (folder / "stall_events").mkdir()
+    c.add(3, "stall", "stall.py", env={**STALL, "LCC_TEST_EVENTS": str(folder / "stall_events")})
     c.add(2, "diverge", "diverge.py", env=STALL)
     for np_, fanout in ((2, "4"), (3, "1"), (4, "2"), (8, "2")):
         c.add(np_, f"steady-{np_}-{fanout}", "steady.py", env={"LCC_CONTROL_FANOUT": fanout})
