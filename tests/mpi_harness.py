@@ -116,6 +116,7 @@ class Cases:
             folder.mkdir(parents=True, exist_ok=True)
             listing = folder / "cases.json"
             listing.write_text(json.dumps(self.cases[np_]))
+            self.jobs[np_] = "(the job did not end)"     # a hang is not run again per test
             self.jobs[np_] = run_mpi(np_, ["tests/parallel/workers_core/cases.py"],
                                      env={**self.env, "LCC_TEST_CASES": str(listing)},
                                      timeout=self.timeout, expect_rc=None).stdout
