@@ -85,3 +85,49 @@ def tcp_links_line(rank: int) -> str:
     topo = api.engine().group(0).topo
     return f"rank {rank}: tcp links on " + ",".join(
         c.name for c in (topo.world, topo.cross) if getattr(c, "links", None) is not None)
+
+
+class Cases:
+    """Many worker scripts in one ``mpirun`` job per rank count (workers_core/cases.py).
+
+    ``add(np_, id, script_or_code, args, env)`` registers a case; ``output(np_, id)`` launches
+    the job of ``np_`` ranks with every case registered for it (once, at the first call) and
+    returns that case's output, every rank's, in rank order. A case that fails, or never ran
+    because an earlier case of its job failed, raises AssertionError with what there is.
+    """
+
+    def __init__(self, workdir: Path, env: dict[str, str] | None = None,
+                 timeout: float = 840.0) -> None:
+        self.workdir, self.env, self.timeout = Path(workdir), dict(env or {}), timeout
+        self.cases: dict[int, list[dict]] = {}
+        self.jobs: dict[int, str] = {}
+
+    def add(self, np_: int, id_: str, script: str | None = None, *, code: str | None = None,
+            args: list[str] | None = None, env: dict[str, str] | None = None) -> None:
+        case = {"id": id_, "args": list(args or []), "env": dict(env or {})}
+        case.update({"script": script} if code is None else {"code": code})
+        self.cases.setdefault(np_, []).append(case)
+
+    def output(self, np_: int, id_: str) -> str:
+        import json
+
+        folder = self.workdir / f"np{np_}"
+        if np_ not in self.jobs:
+            folder.mkdir(parents=True, exist_ok=True)
+            listing = folder / "cases.json"
+            listing.write_text(json.dumps(self.cases[np_]))
+            self.jobs[np_] = "(the job did not end)"     # a hang is not run again per test
+            self.jobs[np_] = run_mpi(np_, ["tests/parallel/workers_core/cases.py"],
+                                     env={**self.env, "LCC_TEST_CASES": str(listing)},
+                                     timeout=self.timeout, expect_rc=None).stdout
+        outs, rcs = [], []
+        for r in range(np_):
+            out, rc = folder / f"{id_}.rank{r}.out", folder / f"{id_}.rank{r}.rc"
+            outs.append(out.read_text() if out.exists() else "")
+            rcs.append(rc.read_text() if rc.exists() else "none")
+        text = "".join(outs)
+        if rcs != ["0"] * np_:
+            raise AssertionError(f"case {id_} on {np_} ranks: exit status per rank {rcs}\n"
+                                 f"--- its output ---\n{text[-6000:]}\n--- the job's ---\n"
+                                 f"{self.jobs[np_][-3000:]}")
+        return text

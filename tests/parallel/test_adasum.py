@@ -4,28 +4,42 @@ Horovod), and ``DistributedOptimizer(op=Adasum)`` at 2 ranks against Horovod's d
 simulated in one process (workers_adasum/optimizer.py)."""
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 
 import pytest
 
-from tests.mpi_harness import run_mpi
+from tests.mpi_harness import Cases, run_mpi
 
 W = Path(__file__).parent / "workers_adasum"
 
 
-@pytest.mark.timeout(200)
+@pytest.fixture(scope="module")
+def jobs(tmp_path_factory) -> Cases:
+    """One mpirun job per rank count runs both modes (workers_core/cases.py), 2 ranks also
+    the optimizer: 3 launches instead of 7."""
+    c = Cases(tmp_path_factory.mktemp("adasum_cases"), timeout=540)
+    for np_ in (2, 3, 4):
+        for mode in ("fused", "unfused"):
+            c.add(np_, f"adasum-{np_}-{mode}", str(W / "check_adasum.py"), args=[mode],
+                  env={"LCC_FUSION_THRESHOLD": "0"} if mode == "unfused" else None)
+    if importlib.util.find_spec("torch") is not None:
+        c.add(2, "optimizer", str(W / "optimizer.py"))
+    return c
+
+
+@pytest.mark.timeout(600)
 @pytest.mark.parametrize("mode", ["fused", "unfused"])
 @pytest.mark.parametrize("np_", [2, 3, 4])
-def test_adasum_allreduce_matches_numpy(np_: int, mode: str) -> None:
-    env = {"LCC_FUSION_THRESHOLD": "0"} if mode == "unfused" else None
-    out = run_mpi(np_, [str(W / "check_adasum.py"), mode], env=env, timeout=180).stdout
+def test_adasum_allreduce_matches_numpy(jobs, np_: int, mode: str) -> None:
+    out = jobs.output(np_, f"adasum-{np_}-{mode}")
     assert out.count(f"OK p={np_} {mode}") == np_, out[-3000:]
 
 
-@pytest.mark.timeout(200)
-def test_adasum_optimizer_matches_reference() -> None:
+@pytest.mark.timeout(600)
+def test_adasum_optimizer_matches_reference(jobs) -> None:
     pytest.importorskip("torch")
-    out = run_mpi(2, [str(W / "optimizer.py")], timeout=180).stdout
+    out = jobs.output(2, "optimizer")
     assert out.count("OK adasum optimizer") == 2, out[-3000:]
 
 

@@ -61,15 +61,20 @@ def test_compressed_fsdp2_reduce_scatter_training_and_accuracy():
     _ok(out, 5, 2)
 
 
-@pytest.mark.timeout(500)
+@pytest.mark.timeout(360)
 def test_lightcc_ddp_hooks_converge_within_bars():
-    """Each lightcc hook on DDP (64-128-10 MLP on digits, 2 ranks, 300 steps) against no hook:
-    mean accuracy drop over seeds paired with the uncompressed run, measured (mean ± standard
-    deviation of the per-seed drops, seeds): fp16 -0.07 ± 0.14 (4), bf16 -0.07 ± 0.14 (4),
-    fp8 0.00 ± 0.23 (4), fp8 E5M2 -0.07 ± 0.14 (4), all within 0.5; TopK 1 % + EF 0.67 ± 1.54
-    (20: standard error 0.34, two of them under the 1.5 bar); PowerSGD -0.09 ± 0.55 (6,
-    bar 1.0). Before the hooks compressed per parameter, TopK (k over the whole DDP bucket,
-    residuals keyed by bucket position) lost 2.78 points on the 64-32-10 MLP."""
+    """Each lightcc hook on DDP (64-128-10 MLP on digits, 2 ranks, 300 steps) against no hook,
+    seeds 0 and 1 (CONV_SEED_SCALE=0.1: every hook's seed count scaled down to the minimum
+    of 2): mean accuracy drop paired by seed, measured (margin to the bar): fp16 -0.14,
+    bf16 0.00, fp8 0.14, fp8 E5M2 0.14 (>= 0.36 to 0.5); TopK 1 % + EF -0.28 (1.78 to 1.5);
+    PowerSGD 0.00 (1.0 to 1.0). The sweep over 4-20 seeds a hook is
+    ``python benchmarks/convergence/run.py ddp-hooks``: fp16 -0.07 ± 0.14 (4), bf16
+    -0.07 ± 0.14 (4), fp8 0.00 ± 0.23 (4), fp8 E5M2 -0.07 ± 0.14 (4), TopK + EF 0.67 ± 1.54
+    (20), PowerSGD -0.09 ± 0.55 (6) (mean ± sd of the per-seed drops, seeds). Before the hooks
+    compressed per parameter, TopK (k over the whole DDP bucket, residuals keyed by bucket
+    position) lost 2.78 points on the 64-32-10 MLP."""
     pytest.importorskip("sklearn")
-    out = run_mpi(2, [str(W / "c10d_hooks_convergence.py")], env=QUIET, timeout=490).stdout
+    out = run_mpi(2, [str(W / "c10d_hooks_convergence.py")],
+                  env={**QUIET, "CONV_SEED_SCALE": "0.1"}, timeout=350).stdout
+    assert "over 2 seeds" in out, out[-5000:]
     _ok(out, 3, 2)

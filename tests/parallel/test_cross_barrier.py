@@ -1,7 +1,8 @@
 """Cross-barrier DistributedOptimizer on real ``mpirun`` jobs (issue 30).
 
 The same worker trains the same configurations in barrier mode and in cross-barrier mode (in
-separate jobs, so compressor state and bucket timing are independent); rank 0's parameters
+separate cases of a job, each with a fresh init, so compressor state and bucket timing are
+independent); rank 0's parameters
 after 20 steps and the no_grad eval outputs every 5 steps must be equal bit for bit. The
 cross-barrier job also checks the uncompressed SGD/Adam/AdamW/Adagrad runs against
 single-process torch on the concatenated batch within 1e-6 (measured: passes with 2 and 3
@@ -15,22 +16,41 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from tests.mpi_harness import run_mpi
+from tests.mpi_harness import Cases, run_mpi  # noqa: E402
 
 W = Path(__file__).parent / "workers_torch"
+# (ranks, configuration set, environment) of each comparison: barrier and cross-barrier mode
+# train it in separate cases (a fresh init each, so compressor state and bucket timing are
+# independent) of one mpirun job per rank count (workers_core/cases.py): 3 launches, not 12
+COMPARE = {"exact-2": (2, "exact", {}),
+           "lossy-2": (2, "lossy", {"LCC_FUSION_THRESHOLD": "0"}),
+           "core-3": (3, "core", {"LCC_FUSION_THRESHOLD": "0"}),
+           "partition-exact-2": (2, "exact", {"XBAR_PARTITION": "60"}),
+           "partition-core-3": (3, "core", {"XBAR_PARTITION": "60", "LCC_FUSION_THRESHOLD": "0"}),
+           "core-4-2nodes": (4, "core", {"LCC_FUSION_THRESHOLD": "0", "LCC_LOCAL_SIZE": "2"}),
+           "deterministic-3": (3, "core", {"LCC_DETERMINISTIC": "1"})}
+pytestmark = pytest.mark.timeout(900)        # the first test of a rank count runs its job
 
 
-def _train(np_: int, mode: str, which: str, out: Path, env: dict) -> None:
-    res = run_mpi(np_, [str(W / "cross_barrier_train.py"), mode, which, str(out)], env=env,
-                  timeout=400)
-    assert res.stdout.count(" OK ") == np_, res.stdout[-4000:]
+@pytest.fixture(scope="module")
+def jobs(tmp_path_factory):
+    base = tmp_path_factory.mktemp("xbar_cases")
+    c = Cases(base, timeout=840)
+    for key, (np_, which, env) in COMPARE.items():
+        for mode in ("barrier", "xbar"):
+            c.add(np_, f"{key}-{mode}", str(W / "cross_barrier_train.py"),
+                  args=[mode, which, str(base / f"{key}-{mode}.pt")], env=env)
+    return c, base
 
 
-def _compare(np_: int, which: str, tmp_path: Path, env: dict) -> None:
+def _compare(jobs, key: str) -> None:
+    c, base = jobs
+    np_ = COMPARE[key][0]
     files = {}
     for mode in ("barrier", "xbar"):
-        files[mode] = tmp_path / f"{mode}.pt"
-        _train(np_, mode, which, files[mode], env)
+        out = c.output(np_, f"{key}-{mode}")
+        assert out.count(" OK ") == np_, out[-4000:]
+        files[mode] = base / f"{key}-{mode}.pt"
     a, b = torch.load(files["barrier"]), torch.load(files["xbar"])
     assert a.keys() == b.keys() and a
     bad = []
@@ -45,44 +65,36 @@ def _compare(np_: int, which: str, tmp_path: Path, env: dict) -> None:
     assert not bad, "cross-barrier != barrier mode:\n" + "\n".join(bad)
 
 
-@pytest.mark.timeout(900)
-def test_bitwise_equal_to_barrier_mode_2_ranks(tmp_path):
+def test_bitwise_equal_to_barrier_mode_2_ranks(jobs):
     """SGD (momentum, nesterov, weight decay), AdamW, Adam foreach/fused, RMSprop, Adagrad;
     fp32, fp16, bf16; backward_passes_per_step=2; clipping and GradScaler at the explicit
     synchronize() sync point; LR scheduler every step; add_param_group; unused, shared and
     twice-called parameters; no_grad eval forwards."""
-    _compare(2, "exact", tmp_path, {})
+    _compare(jobs, "exact-2")
 
 
-@pytest.mark.timeout(900)
-def test_bitwise_equal_to_barrier_mode_lossy_compressors(tmp_path):
+def test_bitwise_equal_to_barrier_mode_lossy_compressors(jobs):
     """fp8, TopK + error feedback, PowerSGD (fusion off: one bucket per tensor in both
     modes, as these compressors' results depend on the bucket)."""
-    _compare(2, "lossy", tmp_path, {"LCC_FUSION_THRESHOLD": "0"})
+    _compare(jobs, "lossy-2")
 
 
-@pytest.mark.timeout(900)
-def test_bitwise_equal_to_barrier_mode_3_ranks(tmp_path):
+def test_bitwise_equal_to_barrier_mode_3_ranks(jobs):
     """SGD/AdamW with fp32, fp16 and TopK, and a process set of ranks 0 and 2."""
-    _compare(3, "core", tmp_path, {"LCC_FUSION_THRESHOLD": "0"})
+    _compare(jobs, "core-3")
 
 
-@pytest.mark.timeout(900)
 @pytest.mark.parametrize("np_,which", [(2, "exact"), (3, "core")])
-def test_partitioned_gradients_bitwise_equal_to_barrier_mode(tmp_path, np_, which):
+def test_partitioned_gradients_bitwise_equal_to_barrier_mode(jobs, np_, which):
     """Cross-barrier mode with every gradient over 60 bytes cut into pieces (uncompressed,
     fp16, bf16 are cut; fp8/TopK are not): the same bits as barrier mode, whole tensors, and
     (uncompressed) single-process torch within 1e-6."""
-    env = {"XBAR_PARTITION": "60"}
-    if np_ == 3:
-        env["LCC_FUSION_THRESHOLD"] = "0"
-    _compare(np_, which, tmp_path, env)
+    _compare(jobs, f"partition-{which}-{np_}")
 
 
-@pytest.mark.timeout(900)
-def test_bitwise_equal_to_barrier_mode_4_ranks_2_nodes(tmp_path):
+def test_bitwise_equal_to_barrier_mode_4_ranks_2_nodes(jobs):
     """As the 3-rank test, on 2 simulated nodes of 2 ranks (LCC_LOCAL_SIZE=2)."""
-    _compare(4, "core", tmp_path, {"LCC_FUSION_THRESHOLD": "0", "LCC_LOCAL_SIZE": "2"})
+    _compare(jobs, "core-4-2nodes")
 
 
 @pytest.mark.timeout(300)
@@ -104,13 +116,11 @@ def test_rank_raising_mid_step_does_not_hang(xbar):
     assert "MPI_ABORT was invoked on rank 1" in res.stdout, res.stdout[-4000:]
 
 
-@pytest.mark.timeout(900)
-@pytest.mark.parametrize("np_,env", [(3, {})])   # (4, {"LCC_LOCAL_SIZE": "2"}) passes too
-def test_deterministic_sums_bitwise_equal_with_any_buckets(tmp_path, np_, env):
+def test_deterministic_sums_bitwise_equal_with_any_buckets(jobs):
     """LCC_DETERMINISTIC=1 with the default fusion threshold: cross-barrier mode cuts its
     buckets by priority and barrier mode does not, so a tensor sits at other offsets of other
     buckets; with every float32 element summed in rank order the parameters are still bitwise
     those of barrier mode (checked to fail without the knob: SGD's parameters differed by up
-    to 3e-8). 4 ranks on 2 simulated nodes pass as well (the second case, left out of CI for
+    to 3e-8). 4 ranks on 2 simulated nodes passed as well when run by hand (left out of CI for
     time: the scheme is the same world-wide one)."""
-    _compare(np_, "core", tmp_path, {"LCC_DETERMINISTIC": "1", **env})
+    _compare(jobs, "deterministic-3")

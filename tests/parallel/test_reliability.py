@@ -18,32 +18,46 @@ from pathlib import Path
 
 import pytest
 
-from tests.mpi_harness import run_mpi
+from tests.mpi_harness import Cases, run_mpi
 
 W = "tests/parallel/workers_reliability/"
 WORKERS = Path(__file__).resolve().parent / "workers_reliability"
+pytestmark = pytest.mark.timeout(900)        # the first test of the 3-rank job runs it
 
 
-@pytest.mark.parametrize("algos,local,transport,links", [
-    ("flat,hierarchical,2d", "2", "auto", "cross"),
-    ("ring,flat", "1", "tcp", "world,cross")])
+FAULTS = [("flat,hierarchical,2d", "2", "auto", "cross"), ("ring,flat", "1", "tcp", "world,cross")]
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory) -> Cases:
+    """The 3-rank workers as cases of one mpirun job (workers_core/cases.py): 1 launch
+    instead of 4."""
+    c = Cases(tmp_path_factory.mktemp("reliability_cases"), timeout=840)
+    for i, (algos, local, transport, _) in enumerate(FAULTS):
+        c.add(3, f"faults-{i}", str(WORKERS / "faults_worker.py"), args=[algos],
+              env={"LCC_TEST_FAULT": "", "LCC_LOCAL_SIZE": local,
+                   "LCC_CROSS_TRANSPORT": transport})
+    c.add(3, "threads", str(WORKERS / "threads_worker.py"),
+          env={"LCC_TEST_THREADS": "8", "LCC_TEST_STEPS": "50"})
+    c.add(3, "badinput", str(WORKERS / "badinput_worker.py"))
+    return c
+
+
+@pytest.mark.parametrize("algos,local,transport,links", FAULTS)
 def test_injected_faults_fail_the_bucket_on_every_rank_and_the_next_one_succeeds(
-        algos, local, transport, links):
+        job, algos, local, transport, links):
     """2 simulated hosts of 2 + 1 ranks: the leaders' ``cross`` communicator has lightcc's
     TCP links (auto), the agreement is an MPI allreduce on ``world``. With ``tcp`` and every
     rank its own host, ``world`` has links too and each bucket's agreement goes over them
     (its flags on their own tag), as do the compressed buckets' messages."""
-    out = run_mpi(3, [W + "faults_worker.py", algos],
-                  env={"LCC_TEST_FAULT": "", "LCC_LOCAL_SIZE": local,
-                       "LCC_CROSS_TRANSPORT": transport}, timeout=240).stdout
+    out = job.output(3, f"faults-{FAULTS.index((algos, local, transport, links))}")
     assert out.count("faults ok") == 3, out
     assert f"rank 0: tcp links on {links}\n" in out, out
 
 
 @pytest.fixture(scope="module")
-def threads_output() -> str:
-    return run_mpi(3, [W + "threads_worker.py"], env={"LCC_TEST_THREADS": "8",
-                                                      "LCC_TEST_STEPS": "50"}, timeout=240).stdout
+def threads_output(job) -> str:
+    return job.output(3, "threads")
 
 
 def test_concurrent_threads_and_init_shutdown_cycles_with_process_sets(threads_output):
@@ -55,8 +69,8 @@ def test_process_set_from_before_reinit_is_rejected(threads_output):
 
 
 @pytest.fixture(scope="module")
-def badinput_output() -> str:
-    return run_mpi(3, [W + "badinput_worker.py"], timeout=240).stdout
+def badinput_output(job) -> str:
+    return job.output(3, "badinput")
 
 
 def test_bad_input_gives_result_or_clear_error_on_every_rank(badinput_output):

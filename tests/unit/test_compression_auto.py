@@ -226,15 +226,22 @@ def test_the_cache_is_reused_when_the_link_matches_and_refresh_ignores_it(monkey
 
 def test_a_drifting_step_time_makes_every_rank_decide_again(monkeypatch, auto_env):
     import time
+    import types
 
     from lightcc.common.compression import auto
 
     monkeypatch.setattr(autoprobe, "_probe", _fixed_probe(SLOW.fit))
     monkeypatch.setattr(auto, "CHECK_EVERY", 3)
+    # a clock that steps 30 s ahead before every step from step 9 on: the steps become much
+    # slower (drift) without the test sleeping for it (it slept 0.5 s a step, 7.5 s in all), and
+    # far beyond any delay of a loaded machine (a first numba compile) in the baseline window
+    ahead = [0.0]
+    monkeypatch.setattr(auto, "time", types.SimpleNamespace(
+        perf_counter=lambda: time.perf_counter() + ahead[0]))
 
     def data(step, r):
         if r == 1 and step >= 9:
-            time.sleep(0.5)         # steps become much slower from step 9 on: drift
+            ahead[0] += 30.0
         return _data()(step, r)
     comps, _, outs = _run_steps(2, ["auto"] * 2, 24, data)
     assert all(e is None for _, _, errs in outs for e in errs)

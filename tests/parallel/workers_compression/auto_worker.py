@@ -69,6 +69,7 @@ def train(mode: str) -> None:
     from lightcc.common import api
     from lightcc.common.compression import autoprobe
 
+    real_probe = autoprobe._probe
     if mode == "train-slow":
         autoprobe._probe = lambda comp, comm, fmts, like: {f: SLOW[f] for f in fmts}
     init_cache = os.environ.get("LCC_TEST_INIT_CACHE")     # init()'s argument, not the env's
@@ -112,6 +113,7 @@ def train(mode: str) -> None:
     assert losses[-1] < losses[0], losses
     print(f"OK auto {mode} {sorted(formats.items())} on rank {rank}", flush=True)
     lcc.shutdown()
+    autoprobe._probe = real_probe       # the next case of a shared job measures again
 
 
 def ddp(mode: str) -> None:
@@ -122,6 +124,7 @@ def ddp(mode: str) -> None:
     from lightcc.common.compression import autoprobe
     from lightcc.torch import ddp_hooks
 
+    real_probe = autoprobe._probe
     autoprobe._probe = lambda comp, comm, fmts, like: {f: SLOW[f] for f in fmts}
     dist.init_process_group("lightcc")
     n, rank = dist.get_world_size(), dist.get_rank()
@@ -148,6 +151,7 @@ def ddp(mode: str) -> None:
     assert sorted(formats.values()) == ["fp16", "fp16"], (chosen, formats)
     print(f"OK auto {mode} {sorted(formats.items())} on rank {rank}", flush=True)
     dist.destroy_process_group()
+    autoprobe._probe = real_probe
 
 
 def disagree() -> None:

@@ -1,7 +1,8 @@
 """lightcc's DDP hooks on scikit-learn's digits: DDP on the "lightcc" backend (2 ranks), a
 64-128-10 ReLU MLP (He initialization), each hook against no hook with the same seeds, same
 bars as DistributedOptimizer's compressors (mean test accuracy drop over seeds, points):
-fp16/bf16/fp8 0.5, TopK 1 % + error feedback 1.5, PowerSGD 1.0 (margins: test_c10d.py).
+fp16/bf16/fp8 0.5, TopK 1 % + error feedback 1.5, PowerSGD 1.0 (margins: test_c10d.py). CI
+runs 2 seeds a hook (CONV_SEED_SCALE=0.1); benchmarks/convergence/run.py ddp-hooks runs them all.
 Also: parameters bitwise identical on every rank, the hook state's residuals, a hook state for
 another compressor is refused. (Hooks on DDP over gloo: c10d_ddp.py.)
 """

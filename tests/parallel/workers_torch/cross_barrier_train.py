@@ -28,8 +28,10 @@ import lightcc.torch as hvd
 
 STEPS, ADD = 20, 10
 MODE, SET, OUT = sys.argv[1], sys.argv[2], sys.argv[3]
+import lightcc.torch.cross_barrier as _xb  # noqa: E402
+
+PARTITION_BYTES = _xb.PARTITION_BYTES      # put back at the end (a shared job's next case)
 if os.environ.get("XBAR_PARTITION"):     # cross-barrier mode cuts gradients into tiny pieces
-    import lightcc.torch.cross_barrier as _xb
     _xb.PARTITION_BYTES = int(os.environ["XBAR_PARTITION"])
 R = N = 0
 RESULTS: dict = {}
@@ -197,3 +199,4 @@ if __name__ == "__main__":
     R, N = hvd.rank(), hvd.size()
     run([make_case(c) for c in CONFIGS[SET]] + [save])
     hvd.shutdown()
+    _xb.PARTITION_BYTES = PARTITION_BYTES
