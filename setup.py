@@ -31,6 +31,7 @@ setup(
         "ml_dtypes>=0.4",                           # bfloat16 / fp8 NumPy types
         "numba>=0.60",                              # CPU kernels (TopK selection, casts)
         "psutil>=5.9",                              # launcher: process-tree cleanup
+        "pyyaml>=6",                                # lccrun --config-file (Horovod's YAML)
     ],
     extras_require={
         "torch": [TORCH, "scikit-learn>=1.3"],  # scikit-learn: the examples' offline digits data

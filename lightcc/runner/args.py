@@ -9,14 +9,16 @@ from __future__ import annotations
 import argparse
 import os
 import shlex
-import subprocess
 import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable, NoReturn
 
 from ..common.config import KNOBS, Knob
 from ..common.exceptions import ConfigError
+from .discovery import discover_hosts
+from .horovod_flags import add_horovod_flags, apply_horovod_flags
 from .hosts import Host, parse_host_list, parse_hostfile, total_slots
+from .slurm import allocation_hosts
 
 MB = 1024 * 1024
 _KNOB = {k.env: k for k in KNOBS}
@@ -93,6 +95,9 @@ class LaunchSpec:
     elastic: bool = False
     discovery_script: str | None = None     # polled while the job runs (elastic)
     discovery_period: float = 1.0           # seconds between polls
+    start_timeout: float | None = None      # seconds until every rank must have started
+    notes: list[str] = field(default_factory=list)   # one-line notes printed at launch
+    slots_per_host: int = 1                 # slots of a discovered host listed without any
     verbose: bool = False
     dry_run: bool = False
 
@@ -162,6 +167,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "--max-np, new ranks start on free slots)")
     el.add_argument("--host-discovery-period", type=float, default=1.0, metavar="S",
                     help="seconds between runs of the discovery script; default 1")
+    add_horovod_flags(p)
     p.add_argument("-x", dest="extra_env", action="append", default=[], metavar="NAME[=VALUE]",
                    help="also forward this environment variable (set it when =VALUE is given)")
     p.add_argument("--mpi-args", default="", metavar='"..."',
@@ -264,8 +270,10 @@ def _check_interfaces(text: str) -> str:
     return ",".join(parts)
 
 
-def to_spec(ns: argparse.Namespace) -> LaunchSpec:
-    """Validate a parsed command line into a :class:`LaunchSpec` (UsageError if invalid)."""
+def to_spec(ns: argparse.Namespace, environ: dict[str, str] | None = None) -> LaunchSpec:
+    """Validate a parsed command line into a :class:`LaunchSpec` (UsageError if invalid).
+
+    ``environ`` (default ``os.environ``) is read for a Slurm allocation only."""
     if not ns.command:
         raise UsageError("no command given (e.g. lccrun -np 2 python train.py)")
     if ns.hosts is not None and ns.hostfile is not None:
@@ -274,10 +282,17 @@ def to_spec(ns: argparse.Namespace) -> LaunchSpec:
                                                  ns.hostfile is not None):
         raise UsageError("give either --host-discovery-script or -H/--hostfile, not both")
     try:
-        hosts = (parse_host_list(ns.hosts) if ns.hosts is not None
-                 else parse_hostfile(ns.hostfile) if ns.hostfile is not None
-                 else discover_hosts(ns.host_discovery_script)
+        hv_mpi, hv_env, notes = apply_horovod_flags(ns)
+        slots = ns.slots_per_host or 1
+        hosts = (parse_host_list(ns.hosts, slots) if ns.hosts is not None
+                 else parse_hostfile(ns.hostfile, slots) if ns.hostfile is not None
+                 else discover_hosts(ns.host_discovery_script, default_slots=slots)
                  if ns.host_discovery_script is not None else None)
+        if hosts is None:
+            hosts = allocation_hosts(dict(os.environ if environ is None else environ))
+            if hosts is not None:
+                notes.append(f"Slurm allocation: hosts and slots from SLURM_JOB_NODELIST and "
+                             f"SLURM_TASKS_PER_NODE: {','.join(h.spec() for h in hosts)}")
     except ConfigError as exc:
         raise UsageError(str(exc)) from None
     np_ = ns.np
@@ -298,6 +313,7 @@ def to_spec(ns: argparse.Namespace) -> LaunchSpec:
         mpi_args = shlex.split(ns.mpi_args)
     except ValueError as exc:
         raise UsageError(f"--mpi-args {ns.mpi_args!r}: {exc}") from None
+    mpi_args = hv_mpi + mpi_args
     elastic_env = _elastic(ns, np_)
     if elastic_env and "--with-ft" not in mpi_args:
         mpi_args += ["--with-ft", "ulfm"]
@@ -308,7 +324,8 @@ def to_spec(ns: argparse.Namespace) -> LaunchSpec:
     return LaunchSpec(
         np=np_, command=list(ns.command), hosts=hosts,
         hostfile=os.path.abspath(ns.hostfile) if ns.hostfile else None,
-        knob_env={**knob_env(ns), **elastic_env}, extra_env=_extra_env(ns.extra_env),
+        knob_env={**knob_env(ns), **hv_env, **elastic_env},
+        extra_env=_extra_env(ns.extra_env),
         network_interface=(_check_interfaces(ns.network_interface)
                            if ns.network_interface is not None else None),
         ssh_port=ns.ssh_port,
@@ -317,7 +334,8 @@ def to_spec(ns: argparse.Namespace) -> LaunchSpec:
         mpi_args=mpi_args, elastic=bool(elastic_env),
         discovery_script=(os.path.abspath(ns.host_discovery_script)
                           if ns.host_discovery_script else None),
-        discovery_period=ns.host_discovery_period, verbose=ns.verbose, dry_run=ns.dry_run)
+        discovery_period=ns.host_discovery_period, verbose=ns.verbose, dry_run=ns.dry_run,
+        start_timeout=ns.start_timeout, notes=notes, slots_per_host=ns.slots_per_host or 1)
 
 
 def _elastic(ns: argparse.Namespace, np_: int) -> dict[str, str]:
@@ -354,24 +372,6 @@ def _elastic(ns: argparse.Namespace, np_: int) -> dict[str, str]:
             raise UsageError(f"--reset-limit {ns.reset_limit}: must be >= 0 (0: no limit)")
         env["LCC_ELASTIC_RESET_LIMIT"] = str(ns.reset_limit)
     return env
-
-
-def discover_hosts(script: str, timeout: float = 60.0) -> list[Host]:
-    """Hosts from a Horovod discovery script: one ``host:slots`` (or ``host``) per line."""
-    path = os.path.abspath(script)
-    if not (os.path.isfile(path) and os.access(path, os.X_OK)):
-        raise UsageError(f"--host-discovery-script {script!r}: not an executable file")
-    try:
-        out = subprocess.run([path], capture_output=True, text=True, timeout=timeout)
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        raise UsageError(f"--host-discovery-script {script!r}: {exc}") from None
-    if out.returncode != 0:
-        raise UsageError(f"--host-discovery-script {script!r} exited with code "
-                         f"{out.returncode}: {out.stderr.strip()[:200]}")
-    lines = [ln.strip() for ln in out.stdout.splitlines() if ln.strip()]
-    if not lines:
-        raise UsageError(f"--host-discovery-script {script!r} printed no host")
-    return parse_host_list(",".join(lines))
 
 
 def flag_table() -> str:

@@ -1,0 +1,88 @@
+"""Real ``lccrun`` runs of what a user watches at start-up and of horovodrun's output flags.
+
+A host that never comes up is played by a launch agent (Open MPI's ``plm_ssh_agent``, which
+lccrun also uses to probe hosts) that hangs for one host name and runs the command here for
+the others; the same job on simulated hosts (network namespaces) is
+tests/netns/test_netns_startup.py.
+"""
+from __future__ import annotations
+
+import uuid
+from pathlib import Path
+
+import pytest
+
+from tests.parallel.test_launcher import finish, psutil, start_lccrun
+
+AGENT = """#!/bin/sh
+while [ $# -gt 0 ]; do case "$1" in -x|-T|-n|-a|-q) shift ;; -o|-p|-l|-i) shift 2 ;;
+*) break ;; esac; done
+host="$1"; shift
+if [ "$host" = "deadhost" ]; then exec sleep {marker}; fi
+exec /bin/sh -c "$*"
+"""
+
+
+def _agent(tmp_path: Path) -> tuple[str, str]:
+    marker = str(3000 + uuid.uuid4().int % 1000)   # how long the hung agent sleeps: its mark
+    path = tmp_path / "agent.sh"
+    path.write_text(AGENT.format(marker=marker))
+    path.chmod(0o755)
+    return str(path), marker
+
+
+def _sleepers(marker: str) -> list:
+    found = []
+    for p in psutil.process_iter(["cmdline"]):
+        if (p.info["cmdline"] or [])[-2:] == ["sleep", marker]:
+            found.append(p)
+    return found
+
+
+def test_a_host_that_never_comes_up_ends_the_job_at_start_timeout(tmp_path):
+    agent, marker = _agent(tmp_path)
+    proc = start_lccrun(["-H", "localhost:1,deadhost:1", "--start-timeout", "8",
+                         "--mpi-args", f"--prtemca plm_ssh_agent {agent}",
+                         "python", "-c", "print('a rank started')"])
+    rc, out, err = finish(proc, timeout=60)
+    lines = [ln for ln in err.splitlines() if ln.startswith("lccrun:")]
+    assert rc == 124, err
+    assert "a rank started" not in out
+    assert lines[-1].startswith("lccrun: error: --start-timeout 8 s expired: 0/2 ranks up"), err
+    assert "waiting for localhost (rank 0), deadhost (rank 1); deadhost does not answer the " \
+           "launch agent (ssh)" in lines[-1], err
+    assert any(ln.startswith("lccrun: 0/2 ranks up after 5 s; waiting for") for ln in lines), err
+    assert not _sleepers(marker), "the hung launch agent was left running"
+
+
+def test_a_fast_start_prints_no_progress_line():
+    rc, out, err = finish(start_lccrun(["-np", "2", "--start-timeout", "60", "python", "-c",
+                                        "print('up')"]))
+    assert rc == 0, err
+    assert out.count("up") == 2
+    assert "ranks up" not in err
+
+
+def test_output_filename_writes_one_file_per_rank(tmp_path):
+    logs = tmp_path / "logs"
+    rc, out, err = finish(start_lccrun(
+        ["-np", "2", "--output-filename", str(logs), "--prefix-output-with-timestamp",
+         "python", "-c", "import os; print('hello from', os.environ['RANK'])"]))
+    assert rc == 0, err
+    files = sorted(logs.rglob("stdout"))
+    assert [f.parent.name for f in files] == ["rank.0", "rank.1"], files
+    for rank, f in enumerate(files):
+        text = f.read_text()
+        assert f"hello from {rank}" in text, text
+        assert text.startswith("["), text      # the timestamp prefix
+
+
+@pytest.mark.parametrize("flag", ["--hierarchical-allreduce", "--no-stall-check"])
+def test_horovod_flags_reach_the_ranks(flag):
+    code = ("import os; print('ALG', os.environ.get('LCC_ALGORITHM'), 'STALL', "
+            "os.environ.get('LCC_STALL_SHUTDOWN_TIME'))")
+    rc, out, err = finish(start_lccrun(["-np", "1", flag, "python", "-c", code]))
+    assert rc == 0, err
+    want = "ALG hierarchical STALL None" if flag == "--hierarchical-allreduce" \
+        else "ALG None STALL 0"
+    assert want in out, out
