@@ -101,6 +101,28 @@ def run(launch: Launch, verbose: bool = False, spec: object = None) -> int:
         if registry is not None:
             registry.close()
         shutil.rmtree(status_dir, ignore_errors=True)
+        if "LCC_TIMELINE" in getattr(spec, "knob_env", {}):
+            merge_timeline(spec.knob_env["LCC_TIMELINE"])
+
+
+def merge_timeline(path: str) -> None:
+    """``--timeline-filename``: the ranks' files merged into ``path`` (one Perfetto file, a
+    process track per rank) and the per-rank table printed (docs/timeline.md)."""
+    from ..common.observability import timeline_merge
+
+    try:
+        done = timeline_merge.merge(path)
+        if not done["ranks"]:
+            return
+        rows = timeline_merge.summary(timeline_merge.read_events(path))
+    except OSError as exc:
+        print(f"lccrun: timeline {path}: cannot merge the ranks' files: {exc}", file=sys.stderr)
+        return
+    cut = f", {done['dropped']} events left out (cap)" if done["dropped"] else ""
+    print(f"lccrun: timeline {path}: {done['ranks']} rank files merged, {done['events']} "
+          f"events{cut}", file=sys.stderr)
+    for line in timeline_merge.table(rows):
+        print(f"lccrun: {line}", file=sys.stderr)
 
 
 def _start_watch(spec) -> tuple[object, object]:

@@ -86,3 +86,33 @@ def test_horovod_flags_reach_the_ranks(flag):
     want = "ALG hierarchical STALL None" if flag == "--hierarchical-allreduce" \
         else "ALG None STALL 0"
     assert want in out, out
+
+
+TIMELINE_JOB = """
+import numpy as np, lightcc as lcc
+lcc.init()
+for step in range(3):
+    hs = [lcc.allreduce_async(np.ones(1000 * (i + 1), np.float32), name=f"t{i}")
+          for i in range(3)]
+    for h in hs:
+        lcc.synchronize(h)
+lcc.shutdown()
+"""
+
+
+def test_timeline_filename_gives_one_file_for_the_job_and_a_table(tmp_path):
+    import json
+
+    path = tmp_path / "job.json"
+    rc, out, err = finish(start_lccrun(["-np", "2", "--timeline-filename", str(path),
+                                        "python", "-c", TIMELINE_JOB]))
+    assert rc == 0, err
+    events = json.loads(path.read_text())
+    assert sorted({e["pid"] for e in events}) == [0, 1]
+    names = {e["args"]["name"] for e in events if e.get("name") == "process_name"}
+    assert names == {"rank 0", "rank 1"}
+    assert not list(tmp_path.glob("job.json.rank*"))      # merged, parts removed
+    lines = [ln for ln in err.splitlines() if ln.startswith("lccrun: ")]
+    assert any("2 rank files merged" in ln for ln in lines), err
+    rows = [ln.split()[1:] for ln in lines if ln.split()[1:2] in (["0"], ["1"])]
+    assert [r[0] for r in rows] == ["0", "1"] and all(r[1] == "9" for r in rows), err
