@@ -31,9 +31,11 @@ from .metrics_writer import metrics_writer
 from .optimizer import DistributedOptimizer
 from .sync_batch_norm import SyncBatchNorm
 from . import c10d as _c10d
+from . import profiler_ranges as _profiler_ranges
 from . import elastic   # hvd.elastic.run, hvd.elastic.TorchState, ... as in horovod.torch
 
 _c10d.register()   # the torch.distributed backend "lightcc"
+_profiler_ranges.install()   # engine phases as torch.profiler ranges (docs/timeline.md)
 
 __all__ = [
     "Adasum", "Average", "Compression", "DistributedOptimizer", "HorovodInternalError", "Max",
