@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from .. import dtypes
-from ..observability import faults
+from ..observability import faults, ranges
 from .group import Group
 from .plan import BucketPlan
 from .shared import (bucket_context, bucket_label, finish_scaling, float_factor, nan_mask,
@@ -36,7 +36,9 @@ def allreduce(group: Group, plan: BucketPlan, resps: list, entries: list) -> lis
         result = _inplace_buffer(entries[0], rdt)
         buf = result.reshape(-1)
     else:
+        tok = ranges.enter("lightcc::pack")
         buf = _pack(group.fusion.get(rdt, plan.total), entries, plan.sizes)
+        ranges.leave(tok)
     prescale(buf, req.dtype, req.prescale)
     bctx = bucket_context(group.step, resps, entries, plan.sizes)
     t1 = time.perf_counter() if group.tracer.enabled else 0.0
@@ -47,7 +49,9 @@ def allreduce(group: Group, plan: BucketPlan, resps: list, entries: list) -> lis
     if needs_nan_mask(req.dtype, req.op):
         mask = nan_mask(buf)
         group.topo.world.allreduce(mask, "max")
+    tok = ranges.enter("lightcc::wire" if comp is None else "lightcc::compress+wire")
     plan.reduce(buf, dtypes.backend_op(req.op, req.dtype), group.topo, comp, bctx)
+    ranges.leave(tok)
     used = plan.algorithm
     if mask is not None:
         restore_nans(buf, mask)
@@ -69,7 +73,9 @@ def allreduce(group: Group, plan: BucketPlan, resps: list, entries: list) -> lis
         if group.tracer.enabled:
             trace_members(group.tracer, resps, t0, time.perf_counter())
         return [result]
+    tok = ranges.enter("lightcc::unpack")
     results = _unpack(buf, resps, entries, bctx.offsets, plan.sizes, factor, req.dtype)
+    ranges.leave(tok)
     if group.tracer.enabled:
         t3 = time.perf_counter()
         group.tracer.span(bucket_label(resps), "UNPACK", t2, t3, tensors=len(resps))
@@ -149,7 +155,9 @@ def _allreduce_parts(group: Group, plan: BucketPlan, resps: list, entries: list,
         outs.append(e.out.reshape(-1))
     bctx = bucket_context(group.step, resps, entries, plan.sizes)
     t1 = time.perf_counter() if group.tracer.enabled else 0.0
+    tok = ranges.enter("lightcc::compress+wire")
     comp.allreduce_parts(group.topo.world, list(zip(bctx.offsets, outs)), bctx)
+    ranges.leave(tok)
     factor = float_factor(req.op, group.topo.size, req.postscale)
     if factor != 1.0:
         for out in outs:

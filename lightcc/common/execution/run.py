@@ -15,7 +15,7 @@ from typing import Any, Callable
 from ..control.messages import Coll, Response
 from ..exceptions import (CollectiveError, InvalidArgumentError, LightCCError, MismatchError,
                           ShutdownError, StallError)
-from ..observability import faults
+from ..observability import faults, ranges
 from . import device, host, host_ops
 from .group import Group
 from .plan import BucketPlan, make
@@ -70,6 +70,7 @@ def run(group: Group | None, resps: list[Response], entries: list, joined: bool,
                 tracer.span(r.request.name, "QUEUE", e.submitted_at, e.sent_at)
                 tracer.span(r.request.name, "NEGOTIATE", e.sent_at, start)
     notify("bucket_start", responses=resps, entries=entries, start=start)  # + metrics: waits
+    tok = ranges.enter("lightcc::bucket")                         # torch.profiler range
     plan = make(group, resps)
     if plan.agreed:
         group.topo.world.prepare_agreement()
@@ -85,6 +86,7 @@ def run(group: Group | None, resps: list[Response], entries: list, joined: bool,
             tracer.span(req.name, req.coll.name, start, time.perf_counter())
     except Exception as exc:
         local_exc = exc
+    ranges.leave(tok)
     failed: list[int] = []
     if plan.agreed:     # positions in the set -> world ranks
         failed = [group.ranks[i] for i in
