@@ -315,7 +315,8 @@ def to_spec(ns: argparse.Namespace, environ: dict[str, str] | None = None) -> La
         raise UsageError(f"--mpi-args {ns.mpi_args!r}: {exc}") from None
     mpi_args = hv_mpi + mpi_args
     elastic_env = _elastic(ns, np_)
-    if ns.timeline_filename is not None:        # one file for the job: every rank writes
+    if ns.timeline_filename is not None and "LCC_TIMELINE_ALL_RANKS" not in (
+            os.environ if environ is None else environ):   # one file for the job
         hv_env.setdefault("LCC_TIMELINE_ALL_RANKS", "1")
     if elastic_env and "--with-ft" not in mpi_args:
         mpi_args += ["--with-ft", "ulfm"]

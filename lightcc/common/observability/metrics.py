@@ -53,10 +53,15 @@ class Metrics:
     def _waits(self, entries, start: float | None) -> None:
         if start is None:
             return
+        queued = sent = 0.0
+        n = 0
         for e in entries:
-            if e is not None and getattr(e, "sent_at", None) is not None:
-                self.queue_s += max(0.0, e.sent_at - e.submitted_at)
-                self.negotiate_s += max(0.0, start - e.sent_at)
+            if e is not None and e.sent_at:
+                queued += e.sent_at - e.submitted_at
+                sent += e.sent_at
+                n += 1
+        self.queue_s += queued
+        self.negotiate_s += n * start - sent       # sum of (start - sent_at)
 
     def _done(self, info: dict) -> None:
         resps = info.get("responses") or ()
@@ -67,7 +72,7 @@ class Metrics:
             counts["fused_buckets"] += 1
         name = resps[0].request.coll.name.lower() if resps else "unknown"
         self.by_type[name] = self.by_type.get(name, 0) + len(resps)
-        nbytes = sum(r.request.nbytes for r in resps)
+        nbytes = sum([r.request.nbytes for r in resps])
         counts["payload_bytes"] += nbytes
         self.execute_s += float(info.get("seconds") or 0.0)
         self._compression(info.get("plan"), nbytes, int(info.get("nranks") or 1))
