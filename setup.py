@@ -38,7 +38,7 @@ setup(
         "cuda": ["cupy-cuda13x>=13"],
         "autotune": ["optuna>=3.0"],
         "test": [TORCH, "pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6", "scikit-learn>=1.3",
-                 "optuna>=3.0", "tensorboard>=2.14"],
+                 "optuna>=3.0", "tensorboard>=2.14", "matplotlib>=3.7"],
         "dev": [TORCH, "pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6", "scikit-learn>=1.3",
                 "optuna>=3.0", "py-spy", "ruff", "matplotlib", "tensorboard>=2.14"],
     },
