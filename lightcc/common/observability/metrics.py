@@ -25,6 +25,47 @@ SAMPLE_EVERY_S = 0.5    # the engine thread keeps one sample of the counters thi
 _COUNTERS = ("collectives", "buckets", "fused_buckets", "payload_bytes", "stalls", "errors")
 
 
+class Steps:
+    """Training steps as the framework layer reports them (``DistributedOptimizer``): how
+    many, and how long each waited for its gradients' reductions after backward (exposed
+    communication)."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.exposed_s = 0.0
+        self.history: collections.deque = collections.deque()   # (time, count, exposed_s)
+
+    def note(self, waited_s: float) -> None:
+        now = time.monotonic()
+        self.count += 1
+        self.exposed_s += waited_s
+        h = self.history
+        if not h or now - h[-1][0] >= SAMPLE_EVERY_S:
+            h.append((now, self.count, self.exposed_s))
+            while len(h) > 2 and now - h[0][0] > WINDOW_S:
+                h.popleft()
+
+    def rates(self, now: float) -> dict[str, float]:
+        """``steps_per_s`` and ``exposed_share`` (waiting ÷ wall time) over the window."""
+        h = self.history
+        if not h:
+            return {}
+        t0, c0, e0 = h[0]
+        dt = now - t0
+        if dt < 1e-3 or self.count == c0:
+            return {}
+        return {"steps_per_s": (self.count - c0) / dt,
+                "exposed_share": min(1.0, (self.exposed_s - e0) / dt)}
+
+
+STEPS = Steps()
+
+
+def note_step(waited_s: float) -> None:
+    """A training step finished waiting for its reductions after ``waited_s`` seconds."""
+    STEPS.note(waited_s)
+
+
 class Metrics:
     """The engine listener that counts; read it through :func:`collect`."""
 
@@ -143,8 +184,10 @@ def collect(engine: Any, wire: dict[str, Any]) -> dict[str, Any]:
         "negotiation_s": m.negotiate_s,
         "execute_s": m.execute_s,
         "uptime_s": now - m.started,
+        "steps": STEPS.count,
+        "exposed_comm_s": STEPS.exposed_s,
     }
-    out["rates"] = {**m.rates(now, counts),
+    out["rates"] = {**m.rates(now, counts), **STEPS.rates(now),
                     "bytes_sent_per_s": _bytes_rate(engine, wire, now)}
     return out
 
