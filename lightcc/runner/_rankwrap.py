@@ -58,16 +58,8 @@ def announce(environ: dict[str, str] | None = None, timeout: float = 2.0) -> boo
     where, token, rank = environ.get(ADDR_ENV, ""), environ.get(TOKEN_ENV, ""), world_rank()
     if not where or not token or rank is None:
         return False
-    addrs, _, port = where.rpartition(":")
-    message = f"{token} {rank} {socket.gethostname()} {os.getpid()}\n".encode()
-    for addr in addrs.split(","):
-        try:
-            with socket.create_connection((addr, int(port)), timeout=timeout) as conn:
-                conn.sendall(message)
-            return True
-        except (OSError, ValueError):
-            continue
-    return False
+    line = f"{token} {rank} {socket.gethostname()} {os.getpid()}\n".encode()
+    return _exit.report_to_lccrun(where, line, timeout)
 
 
 # torchrun's per-rank variables, from Open MPI's (PMIx's as a fallback for the rank)

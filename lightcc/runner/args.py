@@ -16,6 +16,7 @@ from typing import Any, Callable, NoReturn
 from ..common.config import KNOBS, Knob
 from ..common.exceptions import ConfigError
 from .discovery import discover_hosts
+from .elastic_flags import elastic_flags_env, number_text as _num
 from .horovod_flags import add_horovod_flags, apply_horovod_flags
 from .hosts import Host, parse_host_list, parse_hostfile, total_slots
 from .slurm import allocation_hosts
@@ -50,10 +51,6 @@ class KnobFlag:
 
 def _mb_to_bytes(mb: float) -> str:
     return str(int(round(mb * MB)))
-
-
-def _num(value: float) -> str:
-    return repr(value) if value != int(value) else str(int(value))
 
 
 def _bytes_as_mb(value: int) -> str:
@@ -98,6 +95,7 @@ class LaunchSpec:
     start_timeout: float | None = None      # seconds until every rank must have started
     notes: list[str] = field(default_factory=list)   # one-line notes printed at launch
     slots_per_host: int = 1                 # slots of a discovered host listed without any
+    status_period: float | None = None      # --status: seconds between status lines
     verbose: bool = False
     dry_run: bool = False
 
@@ -172,6 +170,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also forward this environment variable (set it when =VALUE is given)")
     p.add_argument("--mpi-args", default="", metavar='"..."',
                    help="extra mpirun arguments, passed through verbatim")
+    p.add_argument("--status", nargs="?", const=5.0, type=float, metavar="SECONDS",
+                   help="print a status line every SECONDS (default 5): steps/s, wire MB/s, "
+                        "compression ratio, exposed communication, the slowest rank; "
+                        "rewritten in place on a terminal")
     p.add_argument("--verbose", action="store_true",
                    help="print the mpirun command and prefix output lines with the rank")
     p.add_argument("--dry-run", action="store_true",
@@ -195,6 +197,7 @@ def _normalise(argv: list[str], parser: argparse.ArgumentParser) -> list[str]:
     word of the command is touched.
     """
     nargs = {s: a.nargs for a in parser._actions for s in a.option_strings}
+    consts = {s: a.const for a in parser._actions for s in a.option_strings}
     out, i = [], 0
     while i < len(argv):
         tok = argv[i]
@@ -210,7 +213,10 @@ def _normalise(argv: list[str], parser: argparse.ArgumentParser) -> list[str]:
         if eq or want == 0:
             out.append(tok)
         elif want == "?":
-            value = nxt if nxt in _AUTOTUNE_VALUES else "1"
+            if name == "--autotune":
+                value = nxt if nxt in _AUTOTUNE_VALUES else "1"
+            else:          # --status [SECONDS]: a number, else the flag's own default
+                value = nxt if nxt is not None and _is_number(nxt) else str(consts[name])
             out.append(f"{name}={value}")
             i += value == nxt
         elif nxt is not None:
@@ -220,6 +226,14 @@ def _normalise(argv: list[str], parser: argparse.ArgumentParser) -> list[str]:
             out.append(tok)  # missing value: argparse reports it
         i += 1
     return out
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -314,7 +328,10 @@ def to_spec(ns: argparse.Namespace, environ: dict[str, str] | None = None) -> La
     except ValueError as exc:
         raise UsageError(f"--mpi-args {ns.mpi_args!r}: {exc}") from None
     mpi_args = hv_mpi + mpi_args
-    elastic_env = _elastic(ns, np_)
+    try:
+        elastic_env = elastic_flags_env(ns, np_)
+    except ConfigError as exc:
+        raise UsageError(str(exc)) from None
     if ns.timeline_filename is not None and "LCC_TIMELINE_ALL_RANKS" not in (
             os.environ if environ is None else environ):   # one file for the job
         hv_env.setdefault("LCC_TIMELINE_ALL_RANKS", "1")
@@ -338,43 +355,14 @@ def to_spec(ns: argparse.Namespace, environ: dict[str, str] | None = None) -> La
         discovery_script=(os.path.abspath(ns.host_discovery_script)
                           if ns.host_discovery_script else None),
         discovery_period=ns.host_discovery_period, verbose=ns.verbose, dry_run=ns.dry_run,
-        start_timeout=ns.start_timeout, notes=notes, slots_per_host=ns.slots_per_host or 1)
+        start_timeout=ns.start_timeout, notes=notes, slots_per_host=ns.slots_per_host or 1,
+        status_period=_status_period(ns.status))
 
 
-def _elastic(ns: argparse.Namespace, np_: int) -> dict[str, str]:
-    """``LCC_ELASTIC_*`` for the elastic flags given (empty: not an elastic job)."""
-    given = [f for f, v in (("--min-np", ns.min_np), ("--max-np", ns.max_np),
-                            ("--elastic-timeout", ns.elastic_timeout),
-                            ("--reset-limit", ns.reset_limit),
-                            ("--blacklist-after", ns.blacklist_after),
-                            ("--host-discovery-script", ns.host_discovery_script))
-             if v is not None]
-    if not given:
-        return {}
-    env = {"LCC_ELASTIC_MIN_NP": str(ns.min_np if ns.min_np is not None else 1)}
-    if ns.min_np is not None and not 1 <= ns.min_np <= np_:
-        raise UsageError(f"--min-np {ns.min_np}: must be between 1 and -np ({np_})")
-    if ns.max_np is not None and ns.max_np < np_:
-        raise UsageError(f"--max-np {ns.max_np} is below -np {np_} (start the job with at "
-                         f"most --max-np ranks)")
-    if ns.max_np is not None:
-        env["LCC_ELASTIC_MAX_NP"] = str(ns.max_np)
-    if not ns.host_discovery_period > 0:
-        raise UsageError(f"--host-discovery-period {_num(ns.host_discovery_period)}: must be "
-                         f"> 0 seconds")
-    if ns.elastic_timeout is not None:
-        if not ns.elastic_timeout > 0:
-            raise UsageError(f"--elastic-timeout {ns.elastic_timeout}: must be > 0 seconds")
-        env["LCC_ELASTIC_TIMEOUT"] = _num(ns.elastic_timeout)
-    if ns.blacklist_after is not None:
-        if ns.blacklist_after < 0:
-            raise UsageError(f"--blacklist-after {ns.blacklist_after}: must be >= 0 (0: never)")
-        env["LCC_ELASTIC_BLACKLIST_AFTER"] = str(ns.blacklist_after)
-    if ns.reset_limit is not None:
-        if ns.reset_limit < 0:
-            raise UsageError(f"--reset-limit {ns.reset_limit}: must be >= 0 (0: no limit)")
-        env["LCC_ELASTIC_RESET_LIMIT"] = str(ns.reset_limit)
-    return env
+def _status_period(value: float | None) -> float | None:
+    if value is not None and not value > 0:
+        raise UsageError(f"--status {value:g}: must be > 0 seconds")
+    return value
 
 
 def flag_table() -> str:

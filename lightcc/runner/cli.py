@@ -80,8 +80,15 @@ def run(launch: Launch, verbose: bool = False, spec: object = None) -> int:
     env.setdefault("LCC_FLIGHT_DIR", os.path.join(status_dir, "flight"))
     registry, watch = _start_watch(spec)
     argv = list(launch.argv)
+    status = None
     if registry is not None:
         env.update(registry.env())
+        if getattr(spec, "status_period", None):
+            from .status import STATUS_ENV, StatusWatch
+
+            env[STATUS_ENV] = repr(spec.status_period)
+            argv[1:1] = ["-x", STATUS_ENV]
+            status = StatusWatch(registry, spec.status_period)
         for name in registry.env():       # remote ranks see only what -x forwards
             argv[1:1] = ["-x", name]
     discovery = None
@@ -96,7 +103,7 @@ def run(launch: Launch, verbose: bool = False, spec: object = None) -> int:
     try:
         sys.stdout.flush()
         return supervise(argv, env, status_dir, flight_dir=env["LCC_FLIGHT_DIR"],
-                         discovery=discovery, startup=watch)
+                         discovery=discovery, startup=watch, status=status)
     finally:
         if registry is not None:
             registry.close()

@@ -15,6 +15,7 @@ the error. A connection without the job's token is dropped.
 """
 from __future__ import annotations
 
+import json
 import os
 import secrets
 import shlex
@@ -113,6 +114,7 @@ class Registry:
     def __init__(self, addresses: list[str]) -> None:
         self.token = secrets.token_hex(16)
         self.up: dict[int, tuple[str, int]] = {}
+        self.status: dict[int, tuple[float, dict]] = {}
         self.strangers = 0
         self._lock = threading.Lock()
         self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -138,15 +140,39 @@ class Registry:
             with conn:
                 conn.settimeout(2.0)
                 try:
-                    data = conn.recv(512).decode(errors="replace").split()
+                    text = _read_all(conn).decode(errors="replace")
                 except OSError:
                     continue
-                if len(data) != 4 or data[0] != self.token or not data[1].isdigit() \
-                        or not data[3].isdigit():
-                    self.strangers += 1   # not one of this job's ranks: dropped
-                    continue
-                with self._lock:
-                    self.up.setdefault(int(data[1]), (data[2], int(data[3])))
+                self._take(text)
+
+    def _take(self, text: str) -> None:
+        """One report: ``<token> <rank> <host> <pid>`` (started) or ``status <token> <rank>
+        <json>`` (``--status``); anything else, or a wrong token, is dropped."""
+        if text.startswith("status "):
+            parts = text.split(" ", 3)
+            if len(parts) == 4 and parts[1] == self.token and parts[2].isdigit():
+                try:
+                    report = json.loads(parts[3])
+                except ValueError:
+                    report = None
+                if isinstance(report, dict):
+                    with self._lock:
+                        self.status[int(parts[2])] = (time.monotonic(), report)
+                    return
+            self.strangers += 1
+            return
+        data = text.split()
+        if len(data) != 4 or data[0] != self.token or not data[1].isdigit() \
+                or not data[3].isdigit():
+            self.strangers += 1   # not one of this job's ranks: dropped
+            return
+        with self._lock:
+            self.up.setdefault(int(data[1]), (data[2], int(data[3])))
+
+    def reports(self) -> dict[int, tuple[float, dict]]:
+        """rank -> (when received, its latest ``--status`` report)."""
+        with self._lock:
+            return dict(self.status)
 
     def ranks_up(self) -> set[int]:
         with self._lock:
@@ -158,6 +184,18 @@ class Registry:
             self._sock.close()
         except OSError:
             pass
+
+
+def _read_all(conn: socket.socket, limit: int = 65536) -> bytes:
+    """What the peer sent until it closed (at most ``limit`` bytes)."""
+    chunks, size = [], 0
+    while size < limit:
+        chunk = conn.recv(limit - size)
+        if not chunk:
+            break
+        chunks.append(chunk)
+        size += len(chunk)
+    return b"".join(chunks)
 
 
 class StartWatch:

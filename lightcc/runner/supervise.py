@@ -103,7 +103,7 @@ class _Tail:
 def supervise(argv: list[str], env: dict[str, str], status_dir: str | None,
               interrupt_grace_s: float = INTERRUPT_GRACE_S,
               failure_grace_s: float = FAILURE_GRACE_S, flight_dir: str | None = None,
-              discovery=None, startup=None) -> int:
+              discovery=None, startup=None, status=None) -> int:
     """Run ``argv``; return lccrun's exit code after printing the failure summary if any."""
     received: list[int] = []
 
@@ -155,6 +155,8 @@ def supervise(argv: list[str], env: dict[str, str], status_dir: str | None,
                 if start_error is not None and termed_at is None:
                     _signal(proc.pid, signal.SIGTERM)
                     termed_at = now
+            if status is not None:
+                status.poll(now)
             if now >= next_scan or len(received) > forwarded:
                 known.update(descendants(proc.pid))
                 next_scan = now + SCAN_INTERVAL_S
@@ -199,6 +201,8 @@ def supervise(argv: list[str], env: dict[str, str], status_dir: str | None,
         adopted = {p: t for p, t in descendants(os.getpid()).items() if p not in before}
         _reap(kill_tree(None, {**known, **adopted}))
     tail.thread.join(timeout=2.0)
+    if status is not None:
+        status.finish()
     for line in membership_lines(status_dir, changes):
         print(line, file=sys.stderr)
     if not tail.ends_with_newline():

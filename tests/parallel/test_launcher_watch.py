@@ -116,3 +116,35 @@ def test_timeline_filename_gives_one_file_for_the_job_and_a_table(tmp_path):
     assert any("2 rank files merged" in ln for ln in lines), err
     rows = [ln.split()[1:] for ln in lines if ln.split()[1:2] in (["0"], ["1"])]
     assert [r[0] for r in rows] == ["0", "1"] and all(r[1] == "9" for r in rows), err
+
+
+STATUS_JOB = """
+import time, torch, lightcc.torch as hvd
+hvd.init()
+torch.manual_seed(0)
+m = torch.nn.Linear(128, 128)
+opt = hvd.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.01),
+                               named_parameters=m.named_parameters())
+x = torch.randn(32, 128)
+for step in range(150):
+    opt.zero_grad()
+    m(x).pow(2).mean().backward()
+    opt.step()
+    time.sleep(0.02)
+hvd.shutdown()
+"""
+
+
+def test_status_line_shows_steps_wire_and_the_ranks():
+    rc, out, err = finish(start_lccrun(["-np", "2", "--status", "1", "python", "-c",
+                                        STATUS_JOB]), timeout=120)
+    assert rc == 0, err
+    lines = [ln for ln in err.splitlines() if ln.startswith("lccrun: status: ")]
+    assert lines, err                                        # not a terminal: appended
+    with_steps = [ln for ln in lines if "- steps/s" not in ln]
+    assert with_steps, lines
+    last = with_steps[-1]
+    rate = float(last.split("lccrun: status: ")[1].split(" steps/s")[0])
+    assert 0 < rate < 50, last                               # a sleep of 20 ms per step
+    assert "wire " in last and "exposed comm " in last and "%" in last, last
+    assert "ranks in step" in last or "behind" in last, last

@@ -81,6 +81,9 @@ def _start_extras(eng: Engine, cfg: config_mod.Config) -> None:
     from ..observability import metrics
 
     metrics.attach(eng)          # lightcc.metrics() counts from init() on
+    from ..observability import reporter
+
+    reporter.start(eng.rank, lambda: metrics.collect(eng, state.stats()))   # lccrun --status
     if cfg.timeline:
         from ..observability import timeline
 
