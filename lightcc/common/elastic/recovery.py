@@ -196,8 +196,10 @@ def _change_hosts(comm: Any, cfg: config_mod.Config, start: float, lost_on: list
     comm, stays = growth.without_removed(comm, listed, growth.hostnames(comm))
     if not stays:
         exiting.Exit.leaving = True
-        log.warning("elastic: this rank's host %s is no longer in the job's host list, or "
-                    "its slot count went below this rank's place there: it leaves the job",
+        host = listed.owner(socket.gethostname())
+        log.warning("elastic: this rank's host %s is no longer in the job's host list: it "
+                    "leaves the job" if host is None else "elastic: this rank's host %s has "
+                    "fewer slots now than it has ranks: it leaves the job",
                     socket.gethostname())
         raise SystemExit(0)
     launch = comm.allgather(_members.my_id)
