@@ -31,15 +31,16 @@ setup(
         "ml_dtypes>=0.4",                           # bfloat16 / fp8 NumPy types
         "numba>=0.60",                              # CPU kernels (TopK selection, casts)
         "psutil>=5.9",                              # launcher: process-tree cleanup
+        "pyyaml>=6",                                # lccrun --config-file (Horovod's YAML)
     ],
     extras_require={
         "torch": [TORCH, "scikit-learn>=1.3"],  # scikit-learn: the examples' offline digits data
         "cuda": ["cupy-cuda13x>=13"],
         "autotune": ["optuna>=3.0"],
         "test": [TORCH, "pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6", "scikit-learn>=1.3",
-                 "optuna>=3.0"],
+                 "optuna>=3.0", "tensorboard>=2.14", "matplotlib>=3.7"],
         "dev": [TORCH, "pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6", "scikit-learn>=1.3",
-                "optuna>=3.0", "py-spy", "ruff", "matplotlib"],
+                "optuna>=3.0", "py-spy", "ruff", "matplotlib", "tensorboard>=2.14"],
     },
     entry_points={"console_scripts": ["lccrun = lightcc.runner:main"]},
     classifiers=["Programming Language :: Python :: 3", "Operating System :: POSIX :: Linux",

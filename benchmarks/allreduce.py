@@ -39,6 +39,9 @@ import numpy as np
 import lightcc as lcc  # isort: skip  (before mpi4py: it sets Open MPI's parameters first)
 from mpi4py import MPI  # isort: skip
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from plots import busbw  # noqa: E402  (benchmarks/plots.py: matplotlib only when plotting)
+
 SIZES = [4, 64, 1 << 10, 16 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20, 256 << 20]
 
 
@@ -148,6 +151,8 @@ def main() -> None:
     ap.add_argument("--no-unnamed", action="store_true",
                     help="skip the unnamed lightcc columns")
     ap.add_argument("--rounds", type=int, default=1, help="repeat every column (median)")
+    ap.add_argument("--plot", default="", metavar="FILE.png",
+                    help="also draw bus bandwidth against size, every column (matplotlib)")
     ap.add_argument("--iface", default="lcc0",
                     help="interface for gloo and the raw TCP exchange when it exists "
                          "(the simulated hosts' link), else loopback")
@@ -233,6 +238,11 @@ def main() -> None:
     if rank == 0:
         print_table(rows, n)
         print_api_table(rows, worst)
+        if args.plot:
+            from plots import plot_allreduce
+
+            plot_allreduce(rows, n, args.plot)
+            print(f"plot: {args.plot}")
     if line is not None:
         line.close()
     if dist is not None:
@@ -256,7 +266,6 @@ def print_table(rows, n: int) -> None:
     peers = [k for k in ("mpi4py", "gloo") if k in first]
     bounds = [k for k in ("tcp", "sendrecv") if k in first]
     cols = libs + peers + bounds
-    factor = 2 * (n - 1) / n
     named = [lib for lib in libs if lib == "lightcc" or lib.startswith("lightcc[")]
     head = ["size"] + [f"{c} p50 us" for c in cols] + [f"{c} busbw GB/s" for c in cols]
     head += [f"{lib}/{peer} bw" for lib in named for peer in peers + bounds]
@@ -268,7 +277,7 @@ def print_table(rows, n: int) -> None:
     print("|" + "---|" * len(head))
     for nbytes, res, pairs in rows:
         lat = [f"{res[c] * 1e6:.1f}" for c in cols]
-        bw = {c: factor * nbytes / res[c] / 1e9 for c in cols}
+        bw = {c: busbw(nbytes, res[c], n) for c in cols}
         cells = [fmt_size(nbytes), *lat, *(f"{bw[c]:.3f}" for c in cols)]
         cells += [f"{pairs[f'{lib}/{peer}']:.2f}x" for lib in named for peer in peers + bounds]
         if "gloo" in peers and "lightcc-unnamed" in res:

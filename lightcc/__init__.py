@@ -13,9 +13,9 @@ from .common.api import (Adasum, Average, BitwiseAnd, BitwiseOr, BitwiseXor, Gro
                          barrier, barrier_async, broadcast, broadcast_async, config, cross_rank,
                          cross_size, global_process_set, grouped_allreduce,
                          grouped_allreduce_async, init, is_homogeneous, is_initialized, join,
-                         local_rank, local_size, poll, rank, reducescatter, reducescatter_async,
-                         remove_process_set, shutdown, size, start_timeline, stats,
-                         stop_timeline, synchronize)
+                         local_rank, local_size, metrics, poll, rank, reducescatter,
+                         reducescatter_async, remove_process_set, shutdown, size,
+                         start_timeline, stats, stop_timeline, synchronize)
 from .common.compression.api import Compression
 from .common.engine import Handle
 from .common.exceptions import (CollectiveError, ConfigError, DuplicateNameError,

@@ -98,3 +98,20 @@ def abort_if_mpi(code: int) -> bool:
             pass
     mpi.COMM_WORLD.Abort(code & 0xFF or 1)
     return True
+
+
+def report_to_lccrun(where: str, line: bytes, timeout: float = 2.0) -> bool:
+    """Send one line to lccrun's registry (``where`` = ``addr1,addr2:port``, each address
+    tried in turn; the rank wrapper's start-up report and ``--status`` reports); never
+    raises, False when nobody answered."""
+    import socket
+
+    addrs, _, port = where.rpartition(":")
+    for addr in addrs.split(","):
+        try:
+            with socket.create_connection((addr, int(port)), timeout=timeout) as conn:
+                conn.sendall(line)
+            return True
+        except (OSError, ValueError):
+            continue
+    return False

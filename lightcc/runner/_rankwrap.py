@@ -45,6 +45,23 @@ is_consequence = _exit.is_consequence
 wait_for_cause = _exit.wait_for_cause
 
 
+ADDR_ENV = "LCC_RUNNER_ADDR"     # "addr1,addr2:port": lccrun's start-up registry (startup.py)
+TOKEN_ENV = "LCC_RUNNER_TOKEN"   # proves a report comes from this job
+
+
+def announce(environ: dict[str, str] | None = None, timeout: float = 2.0) -> bool:
+    """Tell lccrun this rank's process is up (``<token> <rank> <host> <pid>``), trying each
+    address lccrun gave; never raises. False when not under lccrun or nobody answered."""
+    import socket
+
+    environ = os.environ if environ is None else environ
+    where, token, rank = environ.get(ADDR_ENV, ""), environ.get(TOKEN_ENV, ""), world_rank()
+    if not where or not token or rank is None:
+        return False
+    line = f"{token} {rank} {socket.gethostname()} {os.getpid()}\n".encode()
+    return _exit.report_to_lccrun(where, line, timeout)
+
+
 # torchrun's per-rank variables, from Open MPI's (PMIx's as a fallback for the rank)
 _TORCH_VARS = {"RANK": ("OMPI_COMM_WORLD_RANK", "PMIX_RANK"),
                "WORLD_SIZE": ("OMPI_COMM_WORLD_SIZE",),
@@ -187,6 +204,7 @@ def run_child(command: list[str]) -> int:
 def main(args: list[str] | None = None) -> int:
     args = sys.argv[1:] if args is None else args
     export_torch_env()
+    announce()
     if args[:1] == ["--exec"] and len(args) > 1:
         return run_child(args[1:])
     if not args or (args[0] in ("-c", "-m") and len(args) < 2):

@@ -9,14 +9,17 @@ from __future__ import annotations
 import argparse
 import os
 import shlex
-import subprocess
 import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable, NoReturn
 
 from ..common.config import KNOBS, Knob
 from ..common.exceptions import ConfigError
+from .discovery import discover_hosts
+from .elastic_flags import elastic_flags_env, number_text as _num
+from .horovod_flags import add_horovod_flags, apply_horovod_flags
 from .hosts import Host, parse_host_list, parse_hostfile, total_slots
+from .slurm import allocation_hosts
 
 MB = 1024 * 1024
 _KNOB = {k.env: k for k in KNOBS}
@@ -48,10 +51,6 @@ class KnobFlag:
 
 def _mb_to_bytes(mb: float) -> str:
     return str(int(round(mb * MB)))
-
-
-def _num(value: float) -> str:
-    return repr(value) if value != int(value) else str(int(value))
 
 
 def _bytes_as_mb(value: int) -> str:
@@ -93,6 +92,10 @@ class LaunchSpec:
     elastic: bool = False
     discovery_script: str | None = None     # polled while the job runs (elastic)
     discovery_period: float = 1.0           # seconds between polls
+    start_timeout: float | None = None      # seconds until every rank must have started
+    notes: list[str] = field(default_factory=list)   # one-line notes printed at launch
+    slots_per_host: int = 1                 # slots of a discovered host listed without any
+    status_period: float | None = None      # --status: seconds between status lines
     verbose: bool = False
     dry_run: bool = False
 
@@ -162,10 +165,15 @@ def build_parser() -> argparse.ArgumentParser:
                          "--max-np, new ranks start on free slots)")
     el.add_argument("--host-discovery-period", type=float, default=1.0, metavar="S",
                     help="seconds between runs of the discovery script; default 1")
+    add_horovod_flags(p)
     p.add_argument("-x", dest="extra_env", action="append", default=[], metavar="NAME[=VALUE]",
                    help="also forward this environment variable (set it when =VALUE is given)")
     p.add_argument("--mpi-args", default="", metavar='"..."',
                    help="extra mpirun arguments, passed through verbatim")
+    p.add_argument("--status", nargs="?", const=5.0, type=float, metavar="SECONDS",
+                   help="print a status line every SECONDS (default 5): steps/s, wire MB/s, "
+                        "compression ratio, exposed communication, the slowest rank; "
+                        "rewritten in place on a terminal")
     p.add_argument("--verbose", action="store_true",
                    help="print the mpirun command and prefix output lines with the rank")
     p.add_argument("--dry-run", action="store_true",
@@ -189,6 +197,7 @@ def _normalise(argv: list[str], parser: argparse.ArgumentParser) -> list[str]:
     word of the command is touched.
     """
     nargs = {s: a.nargs for a in parser._actions for s in a.option_strings}
+    consts = {s: a.const for a in parser._actions for s in a.option_strings}
     out, i = [], 0
     while i < len(argv):
         tok = argv[i]
@@ -204,7 +213,10 @@ def _normalise(argv: list[str], parser: argparse.ArgumentParser) -> list[str]:
         if eq or want == 0:
             out.append(tok)
         elif want == "?":
-            value = nxt if nxt in _AUTOTUNE_VALUES else "1"
+            if name == "--autotune":
+                value = nxt if nxt in _AUTOTUNE_VALUES else "1"
+            else:          # --status [SECONDS]: a number, else the flag's own default
+                value = nxt if nxt is not None and _is_number(nxt) else str(consts[name])
             out.append(f"{name}={value}")
             i += value == nxt
         elif nxt is not None:
@@ -214,6 +226,14 @@ def _normalise(argv: list[str], parser: argparse.ArgumentParser) -> list[str]:
             out.append(tok)  # missing value: argparse reports it
         i += 1
     return out
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -264,8 +284,10 @@ def _check_interfaces(text: str) -> str:
     return ",".join(parts)
 
 
-def to_spec(ns: argparse.Namespace) -> LaunchSpec:
-    """Validate a parsed command line into a :class:`LaunchSpec` (UsageError if invalid)."""
+def to_spec(ns: argparse.Namespace, environ: dict[str, str] | None = None) -> LaunchSpec:
+    """Validate a parsed command line into a :class:`LaunchSpec` (UsageError if invalid).
+
+    ``environ`` (default ``os.environ``) is read for a Slurm allocation only."""
     if not ns.command:
         raise UsageError("no command given (e.g. lccrun -np 2 python train.py)")
     if ns.hosts is not None and ns.hostfile is not None:
@@ -274,10 +296,17 @@ def to_spec(ns: argparse.Namespace) -> LaunchSpec:
                                                  ns.hostfile is not None):
         raise UsageError("give either --host-discovery-script or -H/--hostfile, not both")
     try:
-        hosts = (parse_host_list(ns.hosts) if ns.hosts is not None
-                 else parse_hostfile(ns.hostfile) if ns.hostfile is not None
-                 else discover_hosts(ns.host_discovery_script)
+        hv_mpi, hv_env, notes = apply_horovod_flags(ns)
+        slots = ns.slots_per_host or 1
+        hosts = (parse_host_list(ns.hosts, slots) if ns.hosts is not None
+                 else parse_hostfile(ns.hostfile, slots) if ns.hostfile is not None
+                 else discover_hosts(ns.host_discovery_script, default_slots=slots)
                  if ns.host_discovery_script is not None else None)
+        if hosts is None:
+            hosts = allocation_hosts(dict(os.environ if environ is None else environ))
+            if hosts is not None:
+                notes.append(f"Slurm allocation: hosts and slots from SLURM_JOB_NODELIST and "
+                             f"SLURM_TASKS_PER_NODE: {','.join(h.spec() for h in hosts)}")
     except ConfigError as exc:
         raise UsageError(str(exc)) from None
     np_ = ns.np
@@ -298,7 +327,14 @@ def to_spec(ns: argparse.Namespace) -> LaunchSpec:
         mpi_args = shlex.split(ns.mpi_args)
     except ValueError as exc:
         raise UsageError(f"--mpi-args {ns.mpi_args!r}: {exc}") from None
-    elastic_env = _elastic(ns, np_)
+    mpi_args = hv_mpi + mpi_args
+    try:
+        elastic_env = elastic_flags_env(ns, np_)
+    except ConfigError as exc:
+        raise UsageError(str(exc)) from None
+    if ns.timeline_filename is not None and "LCC_TIMELINE_ALL_RANKS" not in (
+            os.environ if environ is None else environ):   # one file for the job
+        hv_env.setdefault("LCC_TIMELINE_ALL_RANKS", "1")
     if elastic_env and "--with-ft" not in mpi_args:
         mpi_args += ["--with-ft", "ulfm"]
     if elastic_env and "state_base_recoverable" not in ns.mpi_args:
@@ -308,7 +344,8 @@ def to_spec(ns: argparse.Namespace) -> LaunchSpec:
     return LaunchSpec(
         np=np_, command=list(ns.command), hosts=hosts,
         hostfile=os.path.abspath(ns.hostfile) if ns.hostfile else None,
-        knob_env={**knob_env(ns), **elastic_env}, extra_env=_extra_env(ns.extra_env),
+        knob_env={**knob_env(ns), **hv_env, **elastic_env},
+        extra_env=_extra_env(ns.extra_env),
         network_interface=(_check_interfaces(ns.network_interface)
                            if ns.network_interface is not None else None),
         ssh_port=ns.ssh_port,
@@ -317,61 +354,15 @@ def to_spec(ns: argparse.Namespace) -> LaunchSpec:
         mpi_args=mpi_args, elastic=bool(elastic_env),
         discovery_script=(os.path.abspath(ns.host_discovery_script)
                           if ns.host_discovery_script else None),
-        discovery_period=ns.host_discovery_period, verbose=ns.verbose, dry_run=ns.dry_run)
+        discovery_period=ns.host_discovery_period, verbose=ns.verbose, dry_run=ns.dry_run,
+        start_timeout=ns.start_timeout, notes=notes, slots_per_host=ns.slots_per_host or 1,
+        status_period=_status_period(ns.status))
 
 
-def _elastic(ns: argparse.Namespace, np_: int) -> dict[str, str]:
-    """``LCC_ELASTIC_*`` for the elastic flags given (empty: not an elastic job)."""
-    given = [f for f, v in (("--min-np", ns.min_np), ("--max-np", ns.max_np),
-                            ("--elastic-timeout", ns.elastic_timeout),
-                            ("--reset-limit", ns.reset_limit),
-                            ("--blacklist-after", ns.blacklist_after),
-                            ("--host-discovery-script", ns.host_discovery_script))
-             if v is not None]
-    if not given:
-        return {}
-    env = {"LCC_ELASTIC_MIN_NP": str(ns.min_np if ns.min_np is not None else 1)}
-    if ns.min_np is not None and not 1 <= ns.min_np <= np_:
-        raise UsageError(f"--min-np {ns.min_np}: must be between 1 and -np ({np_})")
-    if ns.max_np is not None and ns.max_np < np_:
-        raise UsageError(f"--max-np {ns.max_np} is below -np {np_} (start the job with at "
-                         f"most --max-np ranks)")
-    if ns.max_np is not None:
-        env["LCC_ELASTIC_MAX_NP"] = str(ns.max_np)
-    if not ns.host_discovery_period > 0:
-        raise UsageError(f"--host-discovery-period {_num(ns.host_discovery_period)}: must be "
-                         f"> 0 seconds")
-    if ns.elastic_timeout is not None:
-        if not ns.elastic_timeout > 0:
-            raise UsageError(f"--elastic-timeout {ns.elastic_timeout}: must be > 0 seconds")
-        env["LCC_ELASTIC_TIMEOUT"] = _num(ns.elastic_timeout)
-    if ns.blacklist_after is not None:
-        if ns.blacklist_after < 0:
-            raise UsageError(f"--blacklist-after {ns.blacklist_after}: must be >= 0 (0: never)")
-        env["LCC_ELASTIC_BLACKLIST_AFTER"] = str(ns.blacklist_after)
-    if ns.reset_limit is not None:
-        if ns.reset_limit < 0:
-            raise UsageError(f"--reset-limit {ns.reset_limit}: must be >= 0 (0: no limit)")
-        env["LCC_ELASTIC_RESET_LIMIT"] = str(ns.reset_limit)
-    return env
-
-
-def discover_hosts(script: str, timeout: float = 60.0) -> list[Host]:
-    """Hosts from a Horovod discovery script: one ``host:slots`` (or ``host``) per line."""
-    path = os.path.abspath(script)
-    if not (os.path.isfile(path) and os.access(path, os.X_OK)):
-        raise UsageError(f"--host-discovery-script {script!r}: not an executable file")
-    try:
-        out = subprocess.run([path], capture_output=True, text=True, timeout=timeout)
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        raise UsageError(f"--host-discovery-script {script!r}: {exc}") from None
-    if out.returncode != 0:
-        raise UsageError(f"--host-discovery-script {script!r} exited with code "
-                         f"{out.returncode}: {out.stderr.strip()[:200]}")
-    lines = [ln.strip() for ln in out.stdout.splitlines() if ln.strip()]
-    if not lines:
-        raise UsageError(f"--host-discovery-script {script!r} printed no host")
-    return parse_host_list(",".join(lines))
+def _status_period(value: float | None) -> float | None:
+    if value is not None and not value > 0:
+        raise UsageError(f"--status {value:g}: must be > 0 seconds")
+    return value
 
 
 def flag_table() -> str:

@@ -27,8 +27,8 @@ def prepare(argv: list[str], environ: dict[str, str] | None = None) -> tuple[str
         return "version", f"lccrun (lightcc) {lightcc_version()}"
     if ns.check_build:
         return "check", None
-    spec = to_spec(ns)
     env = dict(os.environ if environ is None else environ)
+    spec = to_spec(ns, env)
     launch = build_command(spec, current_machine(), env)
     try:
         check_command(spec.command, launch.env.get("PATH"))
@@ -62,6 +62,8 @@ def main(argv: list[str] | None = None) -> int:
     if mode == "dry-run":
         sys.stdout.write(dry_run_text(launch))
         return 0
+    for note in spec.notes:
+        print(f"lccrun: {note}", file=sys.stderr, flush=True)
     return run(launch, verbose=spec.verbose, spec=spec)
 
 
@@ -76,6 +78,19 @@ def run(launch: Launch, verbose: bool = False, spec: object = None) -> int:
     env = dict(launch.env)
     env[STATUS_DIR_ENV] = status_dir
     env.setdefault("LCC_FLIGHT_DIR", os.path.join(status_dir, "flight"))
+    registry, watch = _start_watch(spec)
+    argv = list(launch.argv)
+    status = None
+    if registry is not None:
+        env.update(registry.env())
+        if getattr(spec, "status_period", None):
+            from .status import STATUS_ENV, StatusWatch
+
+            env[STATUS_ENV] = repr(spec.status_period)
+            argv[1:1] = ["-x", STATUS_ENV]
+            status = StatusWatch(registry, spec.status_period)
+        for name in registry.env():       # remote ranks see only what -x forwards
+            argv[1:1] = ["-x", name]
     discovery = None
     if getattr(spec, "elastic", False):
         from .discovery import Discovery
@@ -83,10 +98,51 @@ def run(launch: Launch, verbose: bool = False, spec: object = None) -> int:
 
         slots = max(spec.np, int(launch.env.get("LCC_ELASTIC_MAX_NP", "0") or 0))
         discovery = Discovery(status_dir, spec.hosts or [Host("localhost", slots)],
-                              spec.discovery_script, spec.discovery_period)
+                              spec.discovery_script, spec.discovery_period,
+                              spec.slots_per_host)
     try:
         sys.stdout.flush()
-        return supervise(launch.argv, env, status_dir, flight_dir=env["LCC_FLIGHT_DIR"],
-                         discovery=discovery)
+        return supervise(argv, env, status_dir, flight_dir=env["LCC_FLIGHT_DIR"],
+                         discovery=discovery, startup=watch, status=status)
     finally:
+        if registry is not None:
+            registry.close()
         shutil.rmtree(status_dir, ignore_errors=True)
+        if "LCC_TIMELINE" in getattr(spec, "knob_env", {}):
+            merge_timeline(spec.knob_env["LCC_TIMELINE"])
+
+
+def merge_timeline(path: str) -> None:
+    """``--timeline-filename``: the ranks' files merged into ``path`` (one Perfetto file, a
+    process track per rank) and the per-rank table printed (docs/timeline.md)."""
+    from ..common.observability import timeline_merge
+
+    try:
+        done = timeline_merge.merge(path)
+        if not done["ranks"]:
+            return
+        rows = timeline_merge.summary(timeline_merge.read_events(path))
+    except OSError as exc:
+        print(f"lccrun: timeline {path}: cannot merge the ranks' files: {exc}", file=sys.stderr)
+        return
+    cut = f", {done['dropped']} events left out (cap)" if done["dropped"] else ""
+    print(f"lccrun: timeline {path}: {done['ranks']} rank files merged, {done['events']} "
+          f"events{cut}", file=sys.stderr)
+    for line in timeline_merge.table(rows):
+        print(f"lccrun: {line}", file=sys.stderr)
+
+
+def _start_watch(spec) -> tuple[object, object]:
+    """lccrun's start-up registry and its watch (docs/launcher.md, "Start-up"); (None, None)
+    when lccrun runs without a LaunchSpec (tests)."""
+    if spec is None:
+        return None, None
+    from ..common.control.transport import interface_addresses
+    from .startup import Registry, StartWatch, agent_command, layout
+
+    addrs = ["127.0.0.1"] + [a for a in interface_addresses().values()
+                             if not a.startswith("127.")]
+    registry = Registry(addrs)
+    agent = agent_command(spec.mpi_args, spec.ssh_port, spec.ssh_identity_file)
+    return registry, StartWatch(registry, layout(spec.hosts, spec.np,
+                                                 "--map-by" in spec.mpi_args), spec.start_timeout, agent)

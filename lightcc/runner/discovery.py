@@ -9,6 +9,7 @@ fails or prints nothing leaves the list as it was (one warning).
 """
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -22,8 +23,9 @@ class Discovery:
     """The published host list and the polling of the discovery script."""
 
     def __init__(self, directory: str, initial: list[Host], script: str | None = None,
-                 period: float = 1.0) -> None:
+                 period: float = 1.0, default_slots: int = 1) -> None:
         self.directory, self.script, self.period = directory, script, period
+        self.default_slots = default_slots
         self.current = [(h.name, h.slots) for h in initial]
         self.version = 1
         self.next_poll = time.monotonic() + period
@@ -52,7 +54,8 @@ class Discovery:
             if out.returncode != 0 or not lines:
                 raise ConfigError(f"exited with code {out.returncode}, printed "
                                   f"{len(lines)} host(s)")
-            return [(h.name, h.slots) for h in parse_host_list(",".join(lines))]
+            return [(h.name, h.slots)
+                    for h in parse_host_list(",".join(lines), self.default_slots)]
         except (OSError, subprocess.TimeoutExpired, ConfigError) as exc:
             if not self.warned:
                 self.warned = True
@@ -68,3 +71,21 @@ def describe(old: list[tuple[str, int]], new: list[tuple[str, int]]) -> str:
     parts += [f"-{h}" for h, _ in old if h not in now]
     parts += [f"{h} {was[h]}->{s} slots" for h, s in new if h in was and was[h] != s]
     return ", ".join(parts)
+
+
+def discover_hosts(script: str, timeout: float = 60.0, default_slots: int = 1) -> list[Host]:
+    """Hosts from a Horovod discovery script: one ``host:slots`` (or ``host``) per line."""
+    path = os.path.abspath(script)
+    if not (os.path.isfile(path) and os.access(path, os.X_OK)):
+        raise ConfigError(f"--host-discovery-script {script!r}: not an executable file")
+    try:
+        out = subprocess.run([path], capture_output=True, text=True, timeout=timeout)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise ConfigError(f"--host-discovery-script {script!r}: {exc}") from None
+    if out.returncode != 0:
+        raise ConfigError(f"--host-discovery-script {script!r} exited with code "
+                         f"{out.returncode}: {out.stderr.strip()[:200]}")
+    lines = [ln.strip() for ln in out.stdout.splitlines() if ln.strip()]
+    if not lines:
+        raise ConfigError(f"--host-discovery-script {script!r} printed no host")
+    return parse_host_list(",".join(lines), default_slots)

@@ -55,8 +55,8 @@ def _no_duplicates(hosts: list[Host], where: str) -> list[Host]:
     return hosts
 
 
-def parse_host_list(text: str) -> list[Host]:
-    """Parse ``-H host1:slots,host2:slots`` (``:slots`` optional, default 1)."""
+def parse_host_list(text: str, default_slots: int = 1) -> list[Host]:
+    """Parse ``-H host1:slots,host2:slots`` (``:slots`` optional, default ``default_slots``)."""
     where = f"-H {text!r}"
     if not text or not text.strip():
         raise ConfigError(f"{where}: empty host list")
@@ -69,11 +69,12 @@ def parse_host_list(text: str) -> list[Host]:
         if sep and ":" in slots:
             raise ConfigError(f"{where}: {entry!r} has more than one ':'")
         hosts.append(Host(_check_name(name, where),
-                          _check_slots(slots, where) if sep else 1))
+                          _check_slots(slots, where) if sep else default_slots))
     return _no_duplicates(hosts, where)
 
 
-def parse_hostfile_text(text: str, source: str = "hostfile") -> list[Host]:
+def parse_hostfile_text(text: str, source: str = "hostfile",
+                        default_slots: int = 1) -> list[Host]:
     """Parse hostfile lines ``host [slots=N] [max_slots=M]``; ``#`` starts a comment."""
     hosts = []
     for number, raw in enumerate(text.splitlines(), start=1):
@@ -82,7 +83,7 @@ def parse_hostfile_text(text: str, source: str = "hostfile") -> list[Host]:
             continue
         where = f"{source} line {number}"
         name, *fields = line.split()
-        slots = 1
+        slots = default_slots
         for field in fields:
             key, sep, value = field.partition("=")
             if not sep:
@@ -99,7 +100,7 @@ def parse_hostfile_text(text: str, source: str = "hostfile") -> list[Host]:
     return _no_duplicates(hosts, source)
 
 
-def parse_hostfile(path: str | Path) -> list[Host]:
+def parse_hostfile(path: str | Path, default_slots: int = 1) -> list[Host]:
     """Read and parse a hostfile; a missing or unreadable file is a ConfigError."""
     p = Path(path)
     try:
@@ -108,7 +109,8 @@ def parse_hostfile(path: str | Path) -> list[Host]:
         raise ConfigError(f"--hostfile {str(path)!r}: no such file") from None
     except OSError as exc:
         raise ConfigError(f"--hostfile {str(path)!r}: cannot read ({exc.strerror})") from None
-    return parse_hostfile_text(text, source=f"hostfile {str(path)!r}")
+    return parse_hostfile_text(text, source=f"hostfile {str(path)!r}",
+                               default_slots=default_slots)
 
 
 def total_slots(hosts: list[Host]) -> int:

@@ -10,7 +10,7 @@ the torch.distributed backend ``"lightcc"`` (docs/torch-distributed.md).
 from __future__ import annotations
 
 from ..common.api import (Adasum, Average, Max, Min, ProcessSet, Product, Sum, add_process_set,
-                          global_process_set, remove_process_set)
+                          global_process_set, metrics, remove_process_set)
 from ..common.exceptions import HorovodInternalError
 from .basics import (ccl_built, cross_rank, cross_size, cuda_built, ddl_built, gloo_built,
                      gloo_enabled, init, is_homogeneous, is_initialized, local_rank, local_size,
@@ -27,12 +27,15 @@ from .mpi_ops import (allgather, allgather_async, allreduce, allreduce_, allredu
                       grouped_reducescatter_async, join, poll, reducescatter,
                       reducescatter_async, sparse_allreduce_async, synchronize)
 from .autograd import gradient_semantics, set_gradient_semantics
+from .metrics_writer import metrics_writer
 from .optimizer import DistributedOptimizer
 from .sync_batch_norm import SyncBatchNorm
 from . import c10d as _c10d
+from . import profiler_ranges as _profiler_ranges
 from . import elastic   # hvd.elastic.run, hvd.elastic.TorchState, ... as in horovod.torch
 
 _c10d.register()   # the torch.distributed backend "lightcc"
+_profiler_ranges.install()   # engine phases as torch.profiler ranges (docs/timeline.md)
 
 __all__ = [
     "Adasum", "Average", "Compression", "DistributedOptimizer", "HorovodInternalError", "Max",
@@ -46,7 +49,8 @@ __all__ = [
     "grouped_allreduce", "grouped_allreduce_", "grouped_allreduce_async",
     "grouped_allreduce_async_", "grouped_reducescatter", "grouped_reducescatter_async",
     "init", "is_homogeneous", "is_initialized", "join", "local_rank", "local_size",
-    "mpi_built", "mpi_enabled", "mpi_threads_supported", "nccl_built", "poll", "rank",
+    "metrics", "metrics_writer", "mpi_built", "mpi_enabled", "mpi_threads_supported",
+    "nccl_built", "poll", "rank",
     "reducescatter", "reducescatter_async", "remove_process_set", "rocm_built",
     "set_gradient_semantics", "shutdown", "size", "sparse_allreduce_async", "start_timeline", "stop_timeline", "synchronize",
 ]

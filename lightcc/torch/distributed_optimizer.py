@@ -16,6 +16,7 @@ makes torch's current stream wait, not the host.
 from __future__ import annotations
 
 import contextlib
+import time
 import warnings
 from typing import Any, Iterator
 
@@ -25,6 +26,7 @@ import torch
 from ..common import api as _api
 from ..common.api import Average
 from ..common.exceptions import InvalidArgumentError
+from ..common.observability.metrics import note_step
 from . import collectives as _ops
 from ._tensor import as_array, device_array, stage, torch_stream
 from .compression import spec_of
@@ -257,6 +259,7 @@ class _DistributedOptimizer(WrappedOptimizer):
                 del self._handles[key]
         if started < len(self._requires_update):     # some gradients never arrived
             self._submit_missing()
+        waited_from = time.perf_counter()           # exposed communication (metrics)
         try:
             with torch_stream(self._gpu):   # CUDA results: torch's stream waits for them
                 for key, (handle, info) in self._handles.items():
@@ -269,6 +272,7 @@ class _DistributedOptimizer(WrappedOptimizer):
             if self._groups is not None:
                 self._group_counts = dict.fromkeys(self._group_counts, 0)
         self._synchronized = True
+        note_step(time.perf_counter() - waited_from)
 
     def _finish(self, key: Any, handle: Any, info: Any) -> None:
         if info is _IN_PLACE:

@@ -33,7 +33,8 @@ from .lifecycle import (add_process_set, init, remove_process_set, shutdown, sta
                         stop_timeline)
 from .state import (Adasum, Average, BitwiseAnd, BitwiseOr, BitwiseXor, Max, Min, ProcessSet,
                     Product, Sum, config, cross_rank, cross_size, engine, global_process_set,
-                    is_homogeneous, is_initialized, local_rank, local_size, rank, size, stats)
+                    is_homogeneous, is_initialized, local_rank, local_size, metrics, rank, size,
+                    stats)
 
 __all__ = ["Adasum", "Average", "BitwiseAnd", "BitwiseOr", "BitwiseXor", "GroupHandle", "Handle",
            "Max", "Min", "Prepared", "ProcessSet", "Product", "Sum", "add_process_set",
@@ -41,7 +42,7 @@ __all__ = ["Adasum", "Average", "BitwiseAnd", "BitwiseOr", "BitwiseXor", "GroupH
            "alltoall", "alltoall_async", "auto_name", "barrier", "barrier_async", "broadcast",
            "broadcast_async", "compressor", "config", "cross_rank", "cross_size", "engine",
            "global_process_set", "grouped_allreduce", "grouped_allreduce_async", "init",
-           "is_homogeneous", "is_initialized", "join", "local_rank", "local_size", "poll",
+           "is_homogeneous", "is_initialized", "join", "local_rank", "local_size", "metrics", "poll",
            "prepare_allreduce", "process_set_rank", "process_set_ranks", "rank",
            "reducescatter", "reducescatter_async", "remove_process_set", "root_index",
            "shutdown", "size", "start_timeline", "stats", "stop_timeline", "synchronize"]

@@ -78,6 +78,12 @@ def shutdown() -> None:
 
 def _start_extras(eng: Engine, cfg: config_mod.Config) -> None:
     """Timeline (``LCC_TIMELINE``) and autotuner (``LCC_AUTOTUNE``), right after the engine."""
+    from ..observability import metrics
+
+    metrics.attach(eng)          # lightcc.metrics() counts from init() on
+    from ..observability import reporter
+
+    reporter.start(eng.rank, lambda: metrics.collect(eng, state.stats()))   # lccrun --status
     if cfg.timeline:
         from ..observability import timeline
 

@@ -139,3 +139,12 @@ def stats() -> dict[str, Any]:
     out["bytes_received"] = sum(v["bytes_received"] for k, v in out.items()
                                 if isinstance(v, dict))
     return out
+
+
+def metrics() -> dict[str, Any]:
+    """Counters and recent rates since ``init()`` (collectives, buckets, fused buckets, bytes
+    per communicator, compression ratio, queue/negotiation/execute seconds, stalls), cheap
+    enough to call every step; docs/timeline.md, "Metrics"."""
+    from ..observability import metrics as _metrics
+
+    return _metrics.collect(_get(), stats())

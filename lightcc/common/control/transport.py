@@ -39,6 +39,7 @@ HELLO = struct.Struct("<8sI")
 _SIOCGIFADDR = 0x8915
 CONNECT_TIMEOUT_S = 5.0     # per address tried
 ACCEPT_TIMEOUT_S = 60.0     # how long rank 0 waits for every rank to connect
+PROGRESS_S = 5.0            # while it waits, a log line this often naming who is missing
 
 
 def interface_addresses() -> dict[str, str]:
@@ -344,14 +345,23 @@ def accept_hellos(listener: socket.socket, token: bytes, expected: set[int],
     closed."""
     got: dict[int, socket.socket] = {}
     deadline = time.monotonic() + ACCEPT_TIMEOUT_S
+    note = time.monotonic() + PROGRESS_S       # start-up progress, as lccrun prints it
     while not expected <= got.keys():
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             break
-        listener.settimeout(remaining)
+        listener.settimeout(max(0.01, min(remaining, note - time.monotonic())))
         try:
             sock, _ = listener.accept()
-        except OSError:                        # socket.timeout included
+        except TimeoutError:
+            if time.monotonic() >= note and time.monotonic() < deadline:
+                note += PROGRESS_S
+                log.warning("%d/%d connected; waiting for %s to connect (the rest of "
+                            "%.0f s)", len(got), len(expected),
+                            _ranks_text(sorted(expected - got.keys())),
+                            deadline - time.monotonic())
+            continue
+        except OSError:
             break
         try:
             sock.settimeout(max(1.0, remaining))
@@ -365,6 +375,10 @@ def accept_hellos(listener: socket.socket, token: bytes, expected: set[int],
             continue
         got[rank] = sock
     return got
+
+
+def _ranks_text(ranks: list[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
 
 
 def _recv_exactly(sock: socket.socket, n: int) -> bytes:

@@ -28,10 +28,29 @@ def hostnames(comm: Any) -> list[str]:
     return comm.allgather(socket.gethostname())
 
 
+def stays(listed: hosts.HostList, names: list[str]) -> list[bool]:
+    """Which members (host names ``names``, in rank order) stay: those on a listed host, the
+    first ``slots`` of each host in rank order (a host whose slot count went down keeps
+    that many; the members beyond it leave). With no list published, everybody stays."""
+    if listed.version == 0:
+        return [True] * len(names)
+    slots = dict(listed.hosts)
+    used: dict[str, int] = {}
+    out = []
+    for name in names:
+        host = listed.owner(name)
+        if host is None:
+            out.append(False)
+            continue
+        used[host] = used.get(host, 0) + 1
+        out.append(used[host] <= slots[host])
+    return out
+
+
 def without_removed(comm: Any, listed: hosts.HostList, names: list[str]) -> tuple[Any, bool]:
-    """``comm`` without the members whose host is no longer listed, and whether this process
-    stays (collective over ``comm``). With no list published, everybody stays."""
-    stay = [listed.version == 0 or listed.owner(n) is not None for n in names]
+    """``comm`` without the members whose host is no longer listed or is over its slot count
+    (:func:`stays`), and whether this process stays (collective over ``comm``)."""
+    stay = stays(listed, names)
     if all(stay):
         return comm, True
     me = comm.Get_rank()

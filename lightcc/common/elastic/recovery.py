@@ -175,9 +175,8 @@ def reset() -> dict:
               "blacklisted": banned, "failures": cfg.elastic_blacklist_after,
               "seconds": round(seconds, 3), "change": _members.changes,
               "dropped_sets": dropped}
-    if api_state.rank() == 0:
-        _report(change)
-    return change
+    _report(change, log_it=api_state.rank() == 0)   # the record: from every rank lccrun
+    return change                                   # started here, wherever rank 0 runs
 
 
 def _change_hosts(comm: Any, cfg: config_mod.Config, start: float, lost_on: list[str]
@@ -197,8 +196,11 @@ def _change_hosts(comm: Any, cfg: config_mod.Config, start: float, lost_on: list
     comm, stays = growth.without_removed(comm, listed, growth.hostnames(comm))
     if not stays:
         exiting.Exit.leaving = True
+        host = listed.owner(socket.gethostname())
         log.warning("elastic: this rank's host %s is no longer in the job's host list: it "
-                    "leaves the job", socket.gethostname())
+                    "leaves the job" if host is None else "elastic: this rank's host %s has "
+                    "fewer slots now than it has ranks: it leaves the job",
+                    socket.gethostname())
         raise SystemExit(0)
     launch = comm.allgather(_members.my_id)
     removed = sorted(set(before) - set(launch))
@@ -326,15 +328,17 @@ def _watch(done: threading.Event, timeout: float) -> None:
         ulfm.abort(75)
 
 
-def _report(change: dict) -> None:
-    """One line in the log, and a record for lccrun (which prints it as one line)."""
+def _report(change: dict, log_it: bool = True) -> None:
+    """One line in the log (``log_it``: rank 0), and a record for lccrun, which prints it as
+    one line: written by every rank that has lccrun's status directory (its local ranks),
+    so the line comes whichever host the new rank 0 runs on (same content, one file)."""
     what = [f"{verb} launch rank(s) {', '.join(map(str, change[key]))}"
             for key, verb in (("lost", "lost"), ("removed", "removed (host left)"),
                               ("joined", "joined")) if change.get(key)]
-    if what:
+    if what and log_it:
         log.warning("elastic: %s; continuing with %d ranks (re-formed in %.2f s)",
                     ", ".join(what), change["size"], change["seconds"])
-    else:
+    elif log_it:
         log.warning("elastic: group re-formed with the same %d ranks (hosts updated) in "
                     "%.2f s", change["size"], change["seconds"])
     directory = os.environ.get(STATUS_DIR_ENV)
@@ -342,9 +346,10 @@ def _report(change: dict) -> None:
         return
     path = os.path.join(directory, f"elastic-{change['change']}.json")
     try:
-        with open(path + ".tmp", "w") as f:
+        tmp = f"{path}.{os.getpid()}.tmp"     # several local ranks write the same record
+        with open(tmp, "w") as f:
             json.dump({**change, "time": time.time()}, f)
-        os.replace(path + ".tmp", path)
+        os.replace(tmp, path)
     except OSError:
         pass
 

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from .. import dtypes
-from ..observability import faults
+from ..observability import faults, ranges
 from .group import Group
 from .plan import BucketPlan
 from .reduction import (bucket_context, bucket_label, finish_scaling, float_factor, nan_mask,
@@ -41,7 +41,9 @@ def allreduce(group: Group, plan: BucketPlan, resps: list, entries: list) -> lis
         result = _inplace_buffer(entries[0], rdt)
         buf = result.reshape(-1)
     else:
+        tok = ranges.enter("lightcc::pack")
         buf = _pack(group.fusion.get(rdt, plan.total), entries, plan.sizes)
+        ranges.leave(tok)
     prescale(buf, req.dtype, req.prescale)
     bctx = bucket_context(group.step, resps, entries, plan.sizes)
     t1 = time.perf_counter() if group.tracer.enabled else 0.0
@@ -52,12 +54,14 @@ def allreduce(group: Group, plan: BucketPlan, resps: list, entries: list) -> lis
     if needs_nan_mask(req.dtype, req.op):
         mask = nan_mask(buf)
         group.topo.world.allreduce(mask, "max")
+    tok = ranges.enter("lightcc::wire" if comp is None else "lightcc::compress+wire")
     if ordered:       # the whole bucket over the world, every element summed in rank order
         comp.allreduce(group.topo.world, buf, bctx)
         used = "ordered"
     else:
         plan.reduce(buf, dtypes.backend_op(req.op, req.dtype), group.topo, comp, bctx)
         used = plan.algorithm
+    ranges.leave(tok)
     if mask is not None:
         restore_nans(buf, mask)
     if faults.enabled():   # the bucket's communication is complete on this rank
@@ -78,7 +82,9 @@ def allreduce(group: Group, plan: BucketPlan, resps: list, entries: list) -> lis
         if group.tracer.enabled:
             trace_members(group.tracer, resps, t0, time.perf_counter())
         return [result]
+    tok = ranges.enter("lightcc::unpack")
     results = _unpack(buf, resps, entries, bctx.offsets, plan.sizes, factor, req.dtype)
+    ranges.leave(tok)
     if group.tracer.enabled:
         t3 = time.perf_counter()
         group.tracer.span(bucket_label(resps), "UNPACK", t2, t3, tensors=len(resps))
@@ -190,7 +196,9 @@ def _allreduce_parts(group: Group, comm: Any, plan: BucketPlan, resps: list, ent
         outs.append(e.out.reshape(-1))
     bctx = bucket_context(group.step, resps, entries, plan.sizes)
     t1 = time.perf_counter() if group.tracer.enabled else 0.0
+    tok = ranges.enter("lightcc::compress+wire")
     comp.allreduce_parts(comm, list(zip(bctx.offsets, outs)), bctx)
+    ranges.leave(tok)
     factor = float_factor(req.op, group.topo.size, req.postscale)
     if factor != 1.0:
         for out in outs:

@@ -15,7 +15,7 @@ from typing import Any, Callable
 from ..control.messages import Coll, Response
 from ..exceptions import (CollectiveError, InvalidArgumentError, LightCCError, MismatchError,
                           ShutdownError, StallError)
-from ..observability import faults
+from ..observability import faults, ranges
 from . import gpu, host, host_ops
 from .group import Group
 from .plan import BucketPlan, make
@@ -53,6 +53,7 @@ def run(group: Group | None, resps: list[Response], entries: list, joined: bool,
             entries[0].handle._set(error=exc_type(first.error))
         elif first.error_kind == "stall":
             log.error("%s", first.error)
+        notify("bucket_error", responses=resps, kind=first.error_kind)   # metrics: stalls
         return False
     req = first.request
     if group is None or group.topo is None:
@@ -68,7 +69,8 @@ def run(group: Group | None, resps: list[Response], entries: list, joined: bool,
             if e is not None:
                 tracer.span(r.request.name, "QUEUE", e.submitted_at, e.sent_at)
                 tracer.span(r.request.name, "NEGOTIATE", e.sent_at, start)
-    notify("bucket_start", responses=resps)
+    notify("bucket_start", responses=resps, entries=entries, start=start)  # + metrics: waits
+    tok = ranges.enter("lightcc::bucket")                         # torch.profiler range
     plan = make(group, resps)
     if plan.agreed:
         group.topo.world.prepare_agreement()
@@ -84,6 +86,7 @@ def run(group: Group | None, resps: list[Response], entries: list, joined: bool,
             tracer.span(req.name, req.coll.name, start, time.perf_counter())
     except Exception as exc:
         local_exc = exc
+    ranges.leave(tok)
     failed: list[int] = []
     if plan.agreed:     # positions in the set -> world ranks
         failed = [group.ranks[i] for i in
@@ -92,7 +95,8 @@ def run(group: Group | None, resps: list[Response], entries: list, joined: bool,
     if local_exc is not None or failed:
         _fail(resps, entries, local_exc, failed or [group.ranks[group.topo.rank]])
         return False
-    notify("bucket_done", responses=resps, seconds=time.perf_counter() - start)
+    notify("bucket_done", responses=resps, seconds=time.perf_counter() - start, plan=plan,
+           nranks=group.topo.size)                               # + metrics: compression
     for e, res in zip(entries, results):
         if e is not None:
             e.handle._set(result=res)
