@@ -550,7 +550,9 @@ def _mpirun_local(np_: int) -> list[str]:
 
 def launch(args: argparse.Namespace, extra: list[str], np_: int) -> list[dict]:
     """Run this file as a worker on ``np_`` ranks (or across simulated hosts); parse rows."""
-    cmd_tail = [sys.executable, str(Path(__file__).resolve()), "--worker", *extra]
+    port = args.port or _free_port()
+    cmd_tail = [sys.executable, str(Path(__file__).resolve()), "--worker", *extra,
+                f"--port={port}"]
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     env.setdefault("OMPI_MCA_mpi_yield_when_idle", "1")
@@ -600,7 +602,8 @@ def _run(cmd: list[str], env: dict, timeout: float) -> str:
                 row = json.loads(line[4:])
                 if "img_s" in row:
                     print(f"  {row['model']:>7} {row['config']:<16} round {row['round'] + 1}: "
-                          f"{row['img_s']:.0f} img/s", file=sys.stderr, flush=True)
+                          f"{benchtable.num(row['img_s'])} img/s", file=sys.stderr,
+                          flush=True)
         proc.wait()
     finally:
         timer.cancel()
@@ -657,7 +660,8 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cpu", action="store_true", help="add the engine's CPU share")
     parser.add_argument("--engine-cost", action="store_true",
                         help="also print the per-tensor engine cost (single rank)")
-    parser.add_argument("--port", type=int, default=29533)
+    parser.add_argument("--port", type=int, default=0, help="torch.distributed's rendezvous "
+                        "port; 0 (default): a free one for every job")
     parser.add_argument("--timeout", type=float, default=3600, help="per job, s")
     parser.add_argument("--json", default=None, help="write every row here")
     parser.add_argument("--verbose", action="store_true", help="show the ranks' output")
@@ -678,11 +682,20 @@ def expand_configs(configs: str, ddp_buckets: str) -> list[str]:
     return out
 
 
+def _free_port() -> int:
+    """A TCP port free on this machine now (a fixed one collides with other jobs)."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("", 0))
+        return sock.getsockname()[1]
+
+
 def collect(args: argparse.Namespace, configs: list[str]) -> list[dict]:
     """Every row: one job for everything, or (``--isolate``) a phases job per model and a job
     per model, round and column (columns alternate inside each round)."""
     common = [f"--batch-size={args.batch_size}", f"--iters={args.iters}",
-              f"--warmup={args.warmup}", f"--threads={args.threads}", f"--port={args.port}",
+              f"--warmup={args.warmup}", f"--threads={args.threads}",
               f"--compute={args.compute}", f"--cpu-share={args.cpu_share}",
               f"--device-f-ms={args.device_f_ms}", f"--device-b-ms={args.device_b_ms}",
               f"--image-size={args.image_size}", f"--seq-len={args.seq_len}"]
