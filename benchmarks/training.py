@@ -6,6 +6,9 @@ One command prints one table (images/s over all ranks, and ratios to a baseline 
     python benchmarks/training.py --models resmlp --configs lightcc,ddp --rounds 5
     sudo python benchmarks/training.py --netns            # 2 simulated hosts, 1 Gbit link
     sudo python benchmarks/training.py --netns --ranks-per-host 2   # 2 hosts x 2 ranks
+    python benchmarks/training.py --models resnet50,bert,gpt2 --batch-size 2 \
+        --configs lightcc,ddp --ddp-buckets 1,2,4,8              # real size, best DDP bucket
+    python benchmarks/training.py --compute device --models gpt2 --batch-size 8  # device time
 
 Columns (``--configs``, comma separated):
 
@@ -32,21 +35,44 @@ Columns (``--configs``, comma separated):
 
 Models (``--models``): ``mlp`` (6 large tensors), ``resmlp`` (164 small tensors), ``cnn``
 (29 tensors, compute-bound), ``transformer`` (embedding + 12 uniform encoder blocks; not a
-default); see benchmarks/models.py. Every rank trains the same model on
-synthetic MNIST-shaped data, SGD with momentum, ``--batch-size`` samples per rank, one torch
-thread per rank (``--threads``). Columns run one after the other inside the same processes and
-alternate for ``--rounds`` rounds; a round's figure is the median step of the slowest rank, the
-table shows the best round and the median over rounds. With ``--cpu`` the table adds the
+default); see benchmarks/models.py; they train on synthetic MNIST-shaped data. Real size
+(benchmarks/realmodels.py, parameter counts and tensor shapes of the published models):
+``resnet50`` (25.6 M parameters, 102 MB of gradients; ``--image-size`` pixels, default 64),
+``bert`` (BERT-base, 109.5 M; ``--seq-len`` tokens, default 64) and ``gpt2`` (GPT-2 small,
+124.4 M, tied head). Every column trains SGD with momentum, ``--batch-size`` samples per rank,
+one torch thread per rank (``--threads``). Columns run one after the other and alternate for
+``--rounds`` rounds; a round's figure is the median step of the slowest rank; the table shows
+min / median / max over rounds (so a bimodal column shows as one) and the median and range of
+the per-round ratios. With real-size models (or ``--isolate yes``) every (round, column) runs
+in an mpirun job of its own: nothing of an earlier column stays in memory, and the peak RSS per
+rank printed for each column is that column's alone (in one shared job it is the peak since the
+column started, earlier columns' live memory included). With ``--cpu`` the table adds the
 lightcc engine thread's share of one core during the timed steps (rank 0).
 
-Per model the worker first measures, with no communication, the forward time F and the
-backward time B (medians), and the link rate (a pairwise MPI exchange of 8 MB, both
+A DDP column may end in ``@MB``: its ``bucket_cap_mb`` (``ddp@4``, ``ddp:fp16@1``);
+``--ddp-buckets 1,2,4,8`` adds those for ``ddp`` (and ``ddp:fp16`` when it runs), and the table
+adds each lightcc column's ratio to the best of them and DDP's default 25 MB ("best ddp"),
+measured in the same run.
+
+Compute (``--compute``): ``cpu`` (default) runs the model on the CPU, where compute competes
+with communication for the cores; ``device`` keeps the real parameters, autograd graph, hooks,
+optimizer, compressors and gradient sizes but replaces each layer's compute by its device time
+(benchmarks/devicetime.py): ``--cpu-share`` of it (default 0.1) busy on the CPU, the rest
+asleep with the CPU released; times from benchmarks/profiles/<model>.json for the real-size
+models (scaled linearly to ``--batch-size``), or ``--device-f-ms``/``--device-b-ms`` (default 40
+and 80 ms) spread over a synthetic model's layers by parameter count. docs/benchmarks.md
+explains both modes and their bias.
+
+Per model the worker first measures, with no communication, the forward time F, the backward
+time B and the whole step (medians; O = the step - F - B: optimizer, zeroing, host work), the
+asked F and B in device mode, and the link rate (a pairwise MPI exchange of 8 MB, both
 directions at once, with a partner on another host when there are several; every rank of a
-host exchanges at once, so the host's link rate is the sum); a second table gives, per lightcc
-column, the wire time W (bytes that cross a link per step, 2 (n-1)/n x the gradient bytes
-after compression, n = the hosts, or the ranks on one machine, / that rate), the barrier bound F + max(B, W) (the wire can start during backward, forward cannot
-start before the last gradient arrived), the cross-barrier bound max(F + B, W), and the
-measured step as a fraction of each (bound / step).
+host exchanges at once, so the host's link rate is the sum); a second table gives, per column,
+the wire time W (bytes that cross a link per step, 2 (n-1)/n x the gradient bytes after
+compression, n = the hosts, or the ranks on one machine, / that rate), the barrier bound
+F + max(B, W) + O (the wire can start during backward, forward cannot start before the last
+gradient arrived), the cross-barrier bound max(F + B + O, W), and each bound / the measured
+median step. A third table gives the peak RSS per rank.
 
 ``--engine-cost`` prints the per-tensor cost of lightcc's engine on a single rank: 164 small
 in-place allreduces through ``lightcc.torch`` per step, µs per tensor.
@@ -68,13 +94,13 @@ for p in (str(REPO), str(HERE)):
     if p not in sys.path:
         sys.path.insert(0, p)
 
+import benchtable  # noqa: E402
+
 DEFAULT_CONFIGS = "lightcc,cross_barrier,ddp,ddp-lcc"
 NETNS_CONFIGS = ("lightcc,lightcc:fp16,lightcc:bf16,lightcc:fp8,lightcc:topk,cross_barrier,"
                  "cross_barrier:fp16,cross_barrier:fp8,ddp,ddp:fp16,"
                  "ddp-lcc,ddp-lcc:fp16,ddp-lcc:topk")
-ENGINE_CONFIGS = ("lightcc", "ddp-lcc", "cross_barrier")   # columns running lightcc's engine
-# bytes on the wire per gradient byte, per compressor (TopK/PowerSGD: depends on the bucket)
-WIRE_FACTOR = {"none": 1.0, "fp16": 0.5, "bf16": 0.5, "fp8": 0.25}
+REAL_MODELS = ("resnet50", "bert", "gpt2")       # benchmarks/realmodels.py
 
 
 # ---- worker (runs on every rank under mpirun) -------------------------------------------------
@@ -110,9 +136,12 @@ class Worker:
         self.comm = MPI.COMM_WORLD
         self.rank, self.world = self.comm.Get_rank(), self.comm.Get_size()
         torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 1) // self.world))
-        g = torch.Generator().manual_seed(1000 + self.rank)
-        self.data = [(torch.rand(args.batch_size, 1, 28, 28, generator=g),
-                      torch.randint(0, 10, (args.batch_size,), generator=g)) for _ in range(8)]
+        self._data: dict = {}
+        self.clock = None
+        if args.compute == "device":
+            import devicetime
+
+            self.clock = devicetime.DeviceClock(cpu_share=args.cpu_share)
         self._lcc = None
         self._ddp_ready = False
         self._lcc_group = None
@@ -153,9 +182,10 @@ class Worker:
 
         import models
 
-        framework, _, option = config.partition(":")
-        torch.manual_seed(0)
-        model = models.build(model_name)
+        from benchtable import split
+
+        framework, option, bucket = split(config)
+        model = self.build(model_name)
         if framework in ("lightcc", "cross_barrier"):
             lcc = self.lightcc()
             opt = _sgd(model)
@@ -171,7 +201,7 @@ class Worker:
             import torch.distributed as dist
 
             self._ddp_init()
-            model = torch.nn.parallel.DistributedDataParallel(model)
+            model = torch.nn.parallel.DistributedDataParallel(model, **_bucket_kw(bucket))
             if option:
                 hook = {"fp16": default_hooks.fp16_compress_hook,
                         "bf16": default_hooks.bf16_compress_hook}.get(option)
@@ -189,7 +219,8 @@ class Worker:
             from lightcc.torch import ddp_hooks
 
             group = self.lightcc_group()
-            model = torch.nn.parallel.DistributedDataParallel(model, process_group=group)
+            model = torch.nn.parallel.DistributedDataParallel(model, process_group=group,
+                                                              **_bucket_kw(bucket))
             if option:
                 if option not in ddp_hooks.HOOKS:
                     raise SystemExit(f"ddp-lcc:{option}: no such lightcc hook "
@@ -239,23 +270,79 @@ class Worker:
     def barrier(self) -> None:
         self.comm.Barrier()
 
+    # -- models and data ----------------------------------------------------------------------
+    def build(self, model_name: str):
+        """The model of one column: real-size or synthetic, and in device-time mode its
+        device-time twin (the same parameters; benchmarks/devicetime.py)."""
+        import torch
+
+        import models
+        import realmodels
+
+        torch.manual_seed(0)
+        real = model_name in REAL_MODELS
+        model = realmodels.REAL_MODELS[model_name]() if real else models.build(model_name)
+        if self.args.compute != "device":
+            return model
+        import devicetime
+
+        return devicetime.convert(model, self.layers(model_name, model), self.clock)
+
+    def layers(self, model_name: str, model) -> list:
+        import devicetime
+
+        profile = devicetime.load_profile(model_name) if model_name in REAL_MODELS else None
+        return devicetime.plan(model, profile, self.args.batch_size, self.args.device_f_ms,
+                               self.args.device_b_ms)
+
+    def batches(self, model_name: str) -> list:
+        """Eight (input, target) batches of ``--batch-size`` for this rank (made once)."""
+        import torch
+
+        if model_name not in self._data:
+            g = torch.Generator().manual_seed(1000 + self.rank)
+            n = self.args.batch_size
+            if self.args.compute == "device":       # the input only gives the batch size
+                self._data[model_name] = [(torch.zeros(n, 1), None)]
+            elif model_name in REAL_MODELS:
+                import realmodels
+
+                self._data[model_name] = [realmodels.sample(
+                    model_name, n, g, self.args.image_size, self.args.seq_len)
+                    for _ in range(4)]
+            else:
+                self._data[model_name] = [(torch.rand(n, 1, 28, 28, generator=g),
+                                           torch.randint(0, 10, (n,), generator=g))
+                                          for _ in range(8)]
+        return self._data[model_name]
+
+    def loss(self, out, target):
+        import realmodels
+
+        if self.args.compute == "device":
+            return out.sum()
+        return realmodels.loss(out, target)
+
     # -- measurement --------------------------------------------------------------------------
     def run(self, model_name: str, config: str) -> dict:
-        import torch.nn.functional as F
+        import gc
 
+        gc.collect()
+        _reset_peak_rss()
         model, opt = self.make(model_name, config)
+        data = self.batches(model_name)
         args = self.args
-        tid = _engine_thread_id() if config.startswith(ENGINE_CONFIGS) else None
+        tid = _engine_thread_id() if config.startswith(benchtable.ENGINE_CONFIGS) else None
         times: list[float] = []
         cpu0 = wall0 = 0.0
         for i in range(args.warmup + args.iters):
             if i == args.warmup:
                 self.barrier()
                 cpu0, wall0 = _thread_cpu_seconds(tid), time.perf_counter()
-            x, y = self.data[i % len(self.data)]
+            x, y = data[i % len(data)]
             t0 = time.perf_counter()
             opt.zero_grad(set_to_none=True)
-            F.cross_entropy(model(x), y).backward()
+            self.loss(model(x), y).backward()
             opt.step()
             if i >= args.warmup:
                 times.append(time.perf_counter() - t0)
@@ -264,7 +351,9 @@ class Worker:
             opt.synchronize()       # cross_barrier: apply the last step's pending updates
         self.barrier()
         slowest = self.comm.allreduce(statistics.median(times), op=_max())
-        return {"img_s": args.batch_size * self.world / slowest, "engine_cpu": share}
+        rss = self.comm.allgather(_peak_rss_mb())
+        return {"img_s": args.batch_size * self.world / slowest, "engine_cpu": share,
+                "rss_mb": rss}
 
 
     def phases(self, model_name: str) -> dict:
@@ -272,28 +361,34 @@ class Worker:
         model's gradient bytes and the link rate (bytes/s one way, each rank exchanging 8 MB
         with a partner in both directions at once, median of 5)."""
         import numpy as np
-        import torch
-        import torch.nn.functional as F
 
-        import models
-
-        torch.manual_seed(0)
-        model = models.build(model_name)
+        model = self.build(model_name)
         opt = _sgd(model)
-        fwd, bwd = [], []
+        data = self.batches(model_name)
+        fwd, bwd, steps = [], [], []
         for i in range(self.args.warmup + self.args.iters):
-            x, y = self.data[i % len(self.data)]
-            opt.zero_grad(set_to_none=True)
+            x, y = data[i % len(data)]
             t0 = time.perf_counter()
-            loss = F.cross_entropy(model(x), y)
+            opt.zero_grad(set_to_none=True)
             t1 = time.perf_counter()
-            loss.backward()
+            loss = self.loss(model(x), y)
             t2 = time.perf_counter()
+            loss.backward()
+            t3 = time.perf_counter()
             opt.step()
+            t4 = time.perf_counter()
             if i >= self.args.warmup:
-                fwd.append(t1 - t0)
-                bwd.append(t2 - t1)
+                fwd.append(t2 - t1)
+                bwd.append(t3 - t2)
+                steps.append(t4 - t0)
+        asked_f = asked_b = None
+        if self.clock is not None:
+            layers = [m for m in model.modules() if hasattr(m, "fwd_s")]
+            asked_f = sum(m.fwd_s for m in layers)
+            asked_b = sum(m.bwd_s for m in layers)
         nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        params = sum(p.numel() for p in model.parameters())
+        del model, opt
         rate = 0.0
         # a partner on another host when there are several (ranks of a host are consecutive);
         # every rank of a host exchanges at once, so the host's link carries local x the rate
@@ -315,8 +410,39 @@ class Worker:
         self.barrier()
         return {"F": self.comm.allreduce(statistics.median(fwd), op=_max()),
                 "B": self.comm.allreduce(statistics.median(bwd), op=_max()),
-                "grad_bytes": nbytes, "link_Bps": local * self.comm.allreduce(rate, op=_min()),
+                "step": self.comm.allreduce(statistics.median(steps), op=_max()),
+                "asked_F": asked_f, "asked_B": asked_b, "params": params,
+                "compute": self.args.compute, "grad_bytes": nbytes, "link_Bps": local * self.comm.allreduce(rate, op=_min()),
                 "world": self.world, "hosts": hosts, "batch": self.args.batch_size}
+
+
+def _bucket_kw(bucket: float | None) -> dict:
+    """DDP keyword for a column's ``@bucket`` (MB); DDP's default (25 MB) without one."""
+    return {} if bucket is None else {"bucket_cap_mb": bucket}
+
+
+def _reset_peak_rss() -> None:
+    """Reset this process's peak RSS (VmHWM) to its current RSS (Linux: clear_refs 5), so each
+    column's peak is its own; earlier columns' memory still alive counts in it."""
+    try:
+        with open("/proc/self/clear_refs", "w") as fh:
+            fh.write("5")
+    except OSError:
+        pass
+
+
+def _peak_rss_mb() -> float:
+    """This process's peak resident set (VmHWM) in MB since the last reset."""
+    try:
+        with open("/proc/self/status") as fh:
+            for line in fh:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def _sgd(model):
@@ -398,15 +524,19 @@ def worker_main(args: argparse.Namespace) -> None:
         return
     w = Worker(args)
     for model_name in args.models.split(","):
-        ph = w.phases(model_name)
-        if w.rank == 0:
-            print("ROW " + json.dumps({"model": model_name, "phases": ph}), flush=True)
+        if args.job != "runs":
+            ph = w.phases(model_name)
+            if w.rank == 0:
+                print("ROW " + json.dumps({"model": model_name, "phases": ph}), flush=True)
+        if args.job == "phases":
+            continue
         for rnd in range(args.rounds):
             for config in args.configs.split(","):
                 res = w.run(model_name, config)
                 if w.rank == 0:
                     print("ROW " + json.dumps({"model": model_name, "config": config,
-                                               "round": rnd, **res}), flush=True)
+                                               "round": rnd + args.first_round, **res}),
+                          flush=True)
     if w._lcc is not None:
         w._lcc.shutdown()
 
@@ -420,7 +550,9 @@ def _mpirun_local(np_: int) -> list[str]:
 
 def launch(args: argparse.Namespace, extra: list[str], np_: int) -> list[dict]:
     """Run this file as a worker on ``np_`` ranks (or across simulated hosts); parse rows."""
-    cmd_tail = [sys.executable, str(Path(__file__).resolve()), "--worker", *extra]
+    port = args.port or _free_port()
+    cmd_tail = [sys.executable, str(Path(__file__).resolve()), "--worker", *extra,
+                f"--port={port}"]
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     env.setdefault("OMPI_MCA_mpi_yield_when_idle", "1")
@@ -470,7 +602,8 @@ def _run(cmd: list[str], env: dict, timeout: float) -> str:
                 row = json.loads(line[4:])
                 if "img_s" in row:
                     print(f"  {row['model']:>7} {row['config']:<16} round {row['round'] + 1}: "
-                          f"{row['img_s']:.0f} img/s", file=sys.stderr, flush=True)
+                          f"{benchtable.num(row['img_s'])} img/s", file=sys.stderr,
+                          flush=True)
         proc.wait()
     finally:
         timer.cancel()
@@ -483,74 +616,17 @@ def _run(cmd: list[str], env: dict, timeout: float) -> str:
     return out
 
 
-def table(rows: list[dict], configs: list[str], baselines: list[str], cpu: bool) -> str:
-    """Markdown table: best / median img/s per model and config, ratios to each baseline."""
-    lines = []
-    gloo = [c for c in configs if c in ("ddp", "fsdp") or c.startswith(("ddp:", "fsdp:"))]
-    pairs = [(c, b) for b in baselines for c in configs if c not in gloo]
-    head = ["model"] + [f"{c} img/s" for c in configs] + [f"{c} / {b}" for c, b in pairs]
-    if cpu:
-        head += [f"{c} engine CPU" for c in configs if c.startswith(ENGINE_CONFIGS)]
-    lines.append("| " + " | ".join(head) + " |")
-    lines.append("|" + "---|" * len(head))
-    for model in dict.fromkeys(r["model"] for r in rows):
-        by_cfg = {c: [r for r in rows if r["model"] == model and r["config"] == c]
-                  for c in configs}
-        cells = [model]
-        for c in configs:
-            vals = [r["img_s"] for r in by_cfg[c]]
-            cells.append(f"{max(vals):.0f} ({statistics.median(vals):.0f})" if vals else "-")
-        for c, base in pairs:
-            ratios = [x["img_s"] / y["img_s"] for x, y in zip(by_cfg[c], by_cfg[base])]
-            cells.append(f"{statistics.median(ratios):.2f}x" if ratios else "-")
-        if cpu:
-            for c in configs:
-                if c.startswith(ENGINE_CONFIGS):
-                    vals = [r["engine_cpu"] for r in by_cfg[c]]
-                    cells.append(f"{100 * statistics.median(vals):.0f} %" if vals else "-")
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
-
-
-def bounds_table(rows: list[dict], configs: list[str]) -> str:
-    """Per model and lightcc column: F, B, W and the two bounds (ms), and the measured step
-    as a fraction of each (bound / median step)."""
-    lines = ["| model | column | F ms | B ms | W ms | step ms | barrier bound F+max(B,W) ms "
-             "| step vs barrier bound | cross-barrier bound max(F+B,W) ms "
-             "| step vs cross-barrier bound |", "|" + "---|" * 10]
-    phases = {r["model"]: r["phases"] for r in rows if "phases" in r}
-    for model, ph in phases.items():
-        # bytes that cross a link per step: the world's ring on one host, the hosts' exchange
-        # (any hierarchical scheme, DDP's ring alike) across several
-        n = ph.get("hosts", 1) if ph.get("hosts", 1) > 1 else ph["world"]
-        for c in configs:
-            framework, _, option = c.partition(":")
-            if framework not in ("lightcc", "cross_barrier"):
-                continue
-            vals = [r["img_s"] for r in rows if r.get("model") == model and r.get("config") == c]
-            factor = WIRE_FACTOR.get(option or "none")
-            if not vals or factor is None or not ph["link_Bps"]:
-                continue
-            step = _median_step(ph, vals)
-            f, b = ph["F"], ph["B"]
-            w = 2 * (n - 1) / n * ph["grad_bytes"] * factor / ph["link_Bps"]
-            barrier, xbar = f + max(b, w), max(f + b, w)
-            lines.append(f"| {model} | {c} | {1e3 * f:.0f} | {1e3 * b:.0f} | {1e3 * w:.0f} | "
-                         f"{1e3 * step:.0f} | {1e3 * barrier:.0f} | {barrier / step:.0%} | "
-                         f"{1e3 * xbar:.0f} | {xbar / step:.0%} |")
-    return "\n".join(lines)
-
-
-def _median_step(ph: dict, img_s: list[float]) -> float:
-    """The median step (s) of a column from its img/s over rounds."""
-    return ph["batch"] * ph["world"] / statistics.median(img_s)
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", default="mlp,resmlp,cnn")
+def _add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--models", default="mlp,resmlp,cnn",
+                        help="synthetic: mlp, resmlp, cnn, transformer (models.py); real size: "
+                        "resnet50, bert, gpt2 (realmodels.py)")
     parser.add_argument("--configs", default=None,
-                        help=f"default: {DEFAULT_CONFIGS} (with --netns: {NETNS_CONFIGS})")
+                        help=f"default: {DEFAULT_CONFIGS} (with --netns: {NETNS_CONFIGS}); a "
+                        "DDP column may end in @MB: its bucket_cap_mb (ddp@4, ddp:fp16@1)")
+    parser.add_argument("--ddp-buckets", default="",
+                        help="comma-separated MB: add ddp@MB (and ddp:fp16@MB when ddp:fp16 "
+                        "runs) for each; the table adds ratios to the best of them and of "
+                        "DDP's default 25 MB (e.g. 1,2,4,8)")
     parser.add_argument("--baseline", default=None, help="columns to take ratios to, comma "
                         "separated (default: ddp, and ddp:fp16 when it runs)")
     parser.add_argument("-np", "--np", dest="np_", type=int, default=2, help="ranks")
@@ -559,6 +635,23 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    parser.add_argument("--compute", choices=("cpu", "device"), default="cpu",
+                        help="cpu: the model computes on the CPU; device: each layer takes its "
+                        "device time (profiles/*.json, or --device-f-ms/--device-b-ms)")
+    parser.add_argument("--cpu-share", type=float, default=0.1,
+                        help="--compute device: share of each layer's device time spent busy "
+                        "on the CPU (kernel launches)")
+    parser.add_argument("--device-f-ms", type=float, default=40.0,
+                        help="--compute device, synthetic models: forward device time per step")
+    parser.add_argument("--device-b-ms", type=float, default=80.0,
+                        help="--compute device, synthetic models: backward device time per step")
+    parser.add_argument("--image-size", type=int, default=64,
+                        help="resnet50 input pixels (CPU mode)")
+    parser.add_argument("--seq-len", type=int, default=64, help="bert/gpt2 tokens (CPU mode)")
+    parser.add_argument("--isolate", choices=("auto", "yes", "no"), default="auto",
+                        help="run every (round, column) in a job of its own, so peak RSS is the "
+                        "column's alone and no earlier column's memory stays; auto: yes for "
+                        "real-size models")
     parser.add_argument("--netns", action="store_true",
                         help="--np simulated hosts behind --rate links (--ranks-per-host)")
     parser.add_argument("--rate", default="1gbit")
@@ -567,38 +660,102 @@ def main() -> None:
     parser.add_argument("--cpu", action="store_true", help="add the engine's CPU share")
     parser.add_argument("--engine-cost", action="store_true",
                         help="also print the per-tensor engine cost (single rank)")
-    parser.add_argument("--port", type=int, default=29533)
-    parser.add_argument("--timeout", type=float, default=3600)
+    parser.add_argument("--port", type=int, default=0, help="torch.distributed's rendezvous "
+                        "port; 0 (default): a free one for every job")
+    parser.add_argument("--timeout", type=float, default=3600, help="per job, s")
     parser.add_argument("--json", default=None, help="write every row here")
     parser.add_argument("--verbose", action="store_true", help="show the ranks' output")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--engine-cost-only", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--job", choices=("all", "phases", "runs"), default="all",
+                        help=argparse.SUPPRESS)
+    parser.add_argument("--first-round", type=int, default=0, help=argparse.SUPPRESS)
+
+
+def expand_configs(configs: str, ddp_buckets: str) -> list[str]:
+    """The columns, with ``ddp@MB`` (and ``ddp:fp16@MB``) added after each swept family."""
+    out = configs.split(",")
+    for mb in filter(None, ddp_buckets.split(",")):
+        for fam in ("ddp", "ddp:fp16"):
+            if fam in out and f"{fam}@{mb}" not in out:
+                out.append(f"{fam}@{mb}")
+    return out
+
+
+def _free_port() -> int:
+    """A TCP port free on this machine now (a fixed one collides with other jobs)."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("", 0))
+        return sock.getsockname()[1]
+
+
+def collect(args: argparse.Namespace, configs: list[str]) -> list[dict]:
+    """Every row: one job for everything, or (``--isolate``) a phases job per model and a job
+    per model, round and column (columns alternate inside each round)."""
+    common = [f"--batch-size={args.batch_size}", f"--iters={args.iters}",
+              f"--warmup={args.warmup}", f"--threads={args.threads}",
+              f"--compute={args.compute}", f"--cpu-share={args.cpu_share}",
+              f"--device-f-ms={args.device_f_ms}", f"--device-b-ms={args.device_b_ms}",
+              f"--image-size={args.image_size}", f"--seq-len={args.seq_len}"]
+    models = args.models.split(",")
+    isolate = args.isolate == "yes" or (args.isolate == "auto" and
+                                        any(m in REAL_MODELS for m in models))
+    if not isolate:
+        return launch(args, common + [f"--models={args.models}", f"--configs={','.join(configs)}",
+                                      f"--rounds={args.rounds}"], args.np_)
+    rows: list[dict] = []
+    for model in models:
+        rows += launch(args, common + [f"--models={model}", "--configs=local", "--rounds=1",
+                                       "--job=phases"], args.np_)
+        for rnd in range(args.rounds):
+            for config in configs:
+                rows += launch(args, common + [f"--models={model}", f"--configs={config}",
+                                               "--rounds=1", "--job=runs",
+                                               f"--first-round={rnd}"], args.np_)
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    _add_arguments(parser)
     args = parser.parse_args()
     if args.configs is None:
         args.configs = NETNS_CONFIGS if args.netns else DEFAULT_CONFIGS
     if args.worker:
         worker_main(args)
         return
-    configs = args.configs.split(",")
+    if not 0.0 <= args.cpu_share <= 1.0:
+        parser.error("--cpu-share must be within [0, 1]")
+    configs = expand_configs(args.configs, args.ddp_buckets)
     baselines = [b for b in (args.baseline or "ddp,ddp:fp16").split(",") if b in configs] \
         or [configs[-1]]
-    passthrough = [f"--models={args.models}", f"--configs={args.configs}",
-                   f"--batch-size={args.batch_size}", f"--iters={args.iters}",
-                   f"--warmup={args.warmup}", f"--rounds={args.rounds}",
-                   f"--threads={args.threads}", f"--port={args.port}"]
     if args.ranks_per_host < 1 or (args.ranks_per_host > 1 and not args.netns):
         parser.error("--ranks-per-host must be >= 1 and needs --netns")
     where = (f"{args.np_} simulated hosts x {args.ranks_per_host} rank(s), {args.rate} links"
              if args.netns
              else f"{args.np_} ranks on one machine")
-    print(f"# training throughput, {where}; batch {args.batch_size}/rank, {args.threads} torch "
-          f"thread(s)/rank, {args.iters} timed steps x {args.rounds} rounds; img/s best "
-          f"(median); ratios: median of per-round ratios", flush=True)
-    rows = launch(args, passthrough, args.np_)
-    print(table([r for r in rows if "img_s" in r], configs, baselines, args.cpu))
+    mode = (f"device-time compute (--cpu-share {args.cpu_share:g})"
+            if args.compute == "device" else "CPU compute")
+    print(f"# training throughput, {where}, {mode}; batch {args.batch_size}/rank, "
+          f"{args.threads} torch thread(s)/rank, {args.iters} timed steps x {args.rounds} "
+          f"rounds; img/s min / median / max over rounds (a round: the slowest rank's median "
+          f"step); ratios: median of per-round ratios (range)", flush=True)
+    t0 = time.time()
+    rows = collect(args, configs)
+    print(benchtable.phases_lines(rows))
     print()
-    print(bounds_table(rows, configs))
-    result: dict = {"rows": rows}
+    print(benchtable.throughput_table([r for r in rows if "img_s" in r], configs, baselines,
+                                      args.cpu))
+    print()
+    print(benchtable.bounds_table(rows, configs))
+    print()
+    base = next((c for c in ("ddp", "ddp-lcc") if c in configs), configs[0])
+    print(benchtable.rss_table(rows, configs, base))
+    print(f"\n# {time.time() - t0:.0f} s; load average at the end: "
+          f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    result: dict = {"rows": rows, "args": vars(args)}
     if args.engine_cost:
         args.netns = False
         cost = launch(args, [f"--iters={args.iters * 10}", f"--warmup={args.warmup}",
