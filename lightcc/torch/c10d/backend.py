@@ -43,16 +43,25 @@ def _timeout_s(timeout: Any) -> float:
     return DEFAULT_TIMEOUT_S
 
 
-def _ensure_lightcc(torch_rank: int, torch_size: int) -> None:
-    """Start lightcc if needed and check that MPI and torch agree on rank and size."""
+def _ensure_lightcc(torch_rank: int, torch_size: int, store: Any = None) -> None:
+    """Start lightcc if needed (through torch's rendezvous ``store`` when the job was not
+    launched by MPI) and check that lightcc and torch agree on rank and size."""
     if not api.is_initialized():
-        api.init()
+        api.init(store=store, rank=torch_rank, world_size=torch_size)
         _state["initialized_lightcc"] = True
     if (api.rank(), api.size()) != (torch_rank, torch_size):
-        raise LightCCError(f"the lightcc backend runs over MPI, but torch says rank "
-                           f"{torch_rank} of {torch_size} and MPI says rank {api.rank()} of "
-                           f"{api.size()}: launch with lccrun or mpirun (not torchrun), or keep "
-                           f"RANK/WORLD_SIZE consistent with the MPI launch")
+        raise LightCCError(f"torch says rank {torch_rank} of {torch_size}, but lightcc runs as "
+                           f"rank {api.rank()} of {api.size()} (lightcc.init() was called on "
+                           f"another world, or MPI launched a different job): keep "
+                           f"RANK/WORLD_SIZE consistent with the launch")
+
+
+def _p2p_comm(world_ranks: list[int] | None, member: bool = True) -> Any:
+    """The group's point-to-point communicator: on the MPI-free transport a split of lightcc's
+    TCP links (collective over all ranks), else an MPI one (collective over the members)."""
+    if api.transport() == "tcp":
+        return api.p2p_communicator(world_ranks, member)
+    return make_comm(world_ranks) if member else None
 
 
 def create(opts: Any, pg_options: Any = None) -> ProcessGroupLightCC:
@@ -60,9 +69,9 @@ def create(opts: Any, pg_options: Any = None) -> ProcessGroupLightCC:
     members = list(opts.global_ranks_in_group or [])
     timeout = _timeout_s(opts.timeout)
     if not members:            # the world group
-        _ensure_lightcc(opts.group_rank, opts.group_size)
+        _ensure_lightcc(opts.group_rank, opts.group_size, getattr(opts, "store", None))
         pg = ProcessGroupLightCC(opts.group_rank, opts.group_size, api.global_process_set,
-                                 timeout, make_comm(None), list(range(opts.group_size)))
+                                 timeout, _p2p_comm(None), list(range(opts.group_size)))
         return pg
     world = dist.get_world_size()
     if sorted(members) != list(range(world)):
@@ -71,10 +80,10 @@ def create(opts: Any, pg_options: Any = None) -> ProcessGroupLightCC:
             f"torch calls the backend on the group's members only, but a lightcc process set "
             f"is created by all ranks together. Use init_process_group('lightcc') (then every "
             f"new_group works), or a group of all {world} ranks")
-    _ensure_lightcc(dist.get_rank(), world)
+    _ensure_lightcc(dist.get_rank(), world, getattr(opts, "store", None))
     ps = api.add_process_set(api.ProcessSet(members))
     return ProcessGroupLightCC(opts.group_rank, opts.group_size, ps, timeout,
-                               make_comm(None), members, owns_set=True)
+                               _p2p_comm(None), members, owns_set=True)
 
 
 def new_group(self: ProcessGroupLightCC, ranks: list[int], timeout: Any = None,
@@ -98,7 +107,7 @@ def new_group(self: ProcessGroupLightCC, ranks: list[int], timeout: Any = None,
     ranks = sorted(int(r) for r in ranks)
     ps = api.add_process_set(api.ProcessSet(ranks))
     member = api.rank() in ranks
-    comm = make_comm(ranks) if member else None
+    comm = _p2p_comm(ranks, member)
     if not member:
         return None
     pg = ProcessGroupLightCC(ranks.index(api.rank()), len(ranks), ps,
