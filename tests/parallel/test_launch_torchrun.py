@@ -4,6 +4,7 @@ workers run unchanged (workers_core/*), inside a wrapper that fails if anything 
 mpi4py; results are checked there against NumPy / single-process torch references."""
 from __future__ import annotations
 
+import re
 import sys
 
 import pytest
@@ -93,3 +94,25 @@ def test_bad_transport_value_fails_on_every_rank():
     codes, out = by_hand(2, ["-c", "import lightcc; lightcc.init()"],
                          env={"LCC_TRANSPORT": "ib"}, timeout=60)
     assert codes == [1, 1] and out.count("LCC_TRANSPORT='ib'") == 2, out[-3000:]
+
+
+def _accuracy(out: str) -> float:
+    lines = re.findall(r"^epoch (\d+)/(\d+) .*test accuracy ([\d.]+)%", out, re.M)
+    assert lines and len(lines) == int(lines[-1][1]), out[-4000:]     # one line per epoch
+    return float(lines[-1][2])
+
+
+def test_examples_under_torchrun_reach_their_lccrun_accuracy():
+    """The issue's first client: ``torchrun --nproc-per-node 2 examples/ddp_mnist.py --backend
+    lightcc`` and the Horovod-style examples/mnist.py, on the digits fallback, reach the 96 %
+    their lccrun tests require (test_launcher.py, test_torch_examples.py)."""
+    pytest.importorskip("torch")
+    pytest.importorskip("sklearn")
+    rc, out = torchrun(2, [NO_MPI, "examples/ddp_mnist.py", "--backend", "lightcc",
+                           "--data-dir", "/nonexistent"], timeout=300)
+    assert rc == 0 and "backend lightcc" in out, out[-4000:]
+    assert _accuracy(out) >= 96.0, out[-4000:]
+    rc, out = torchrun(2, [NO_MPI, "examples/mnist.py", "--data-dir", "/nonexistent"],
+                       timeout=300)
+    assert rc == 0, out[-4000:]
+    assert _accuracy(out) >= 96.0, out[-4000:]
