@@ -26,5 +26,6 @@ for seed, kw in enumerate(settings):
             continue
         tol = 2e-2 if kw.get("compression") == "bf16" else 3e-3 if "compression" in kw else 1e-5
         np.testing.assert_allclose(got, want, rtol=tol, atol=tol * N * 4, err_msg=str((kw, n)))
+    nodes = lcc.cross_size()
     lcc.shutdown()
-print(f"rank {R}: algorithms ok", flush=True)
+print(f"rank {R}: algorithms ok (nodes {nodes})", flush=True)
