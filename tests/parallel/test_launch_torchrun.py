@@ -116,3 +116,21 @@ def test_examples_under_torchrun_reach_their_lccrun_accuracy():
                        timeout=300)
     assert rc == 0, out[-4000:]
     assert _accuracy(out) >= 96.0, out[-4000:]
+
+
+@pytest.mark.parametrize("backend", ["lightcc", "gloo"])
+def test_dcp_save_async_save_and_load_of_a_ddp_model(backend, tmp_path):
+    """``dcp.async_save`` needs the group to declare the CPU device (it refused the lightcc
+    group before); the same script on gloo is the reference."""
+    pytest.importorskip("torch")
+    rc, out = torchrun(2, [NO_MPI, str(WORKERS / "dcp_ddp.py"), backend, str(tmp_path)])
+    assert rc == 0, out[-6000:]
+    _ok(out, f"dcp ok on {backend}", 2)
+
+
+def test_dcp_async_save_under_mpirun(tmp_path):
+    pytest.importorskip("torch")
+    from tests.mpi_harness import run_mpi
+    out = run_mpi(2, [str(WORKERS / "dcp_ddp.py"), "lightcc", str(tmp_path)],
+                  env={"PYTHONWARNINGS": "ignore"}, timeout=150).stdout
+    assert out.count("dcp ok on lightcc") == 2, out[-4000:]

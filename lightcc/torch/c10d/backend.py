@@ -21,6 +21,7 @@ import sys
 from datetime import timedelta
 from typing import Any, Iterator
 
+import torch
 import torch.distributed as dist
 
 from ...common import api
@@ -121,6 +122,12 @@ def new_group(self: ProcessGroupLightCC, ranks: list[int], timeout: Any = None,
 
 
 ProcessGroupLightCC.new_group = new_group
+#: the devices whose tensors the group takes (CUDA ones are staged through host memory). torch
+#: uses a Python ProcessGroup as it is, without registering it per device, so its own
+#: ``_device_types`` would be empty, and ``dcp.async_save`` would refuse the group ("A CPU
+#: backend must be enabled for async save").
+ProcessGroupLightCC._device_types = property(
+    lambda self: [torch.device("cpu"), torch.device("cuda")])
 
 
 # ---- rendezvous over MPI --------------------------------------------------------------------
