@@ -100,6 +100,9 @@ def new_group(self: ProcessGroupLightCC, ranks: list[int], timeout: Any = None,
     if backend is None:
         backend = caller.get("backend")
     if backend is not None and str(backend).lower() != BACKEND_NAME:
+        side = _side_group(str(backend).lower(), ranks, caller, group_desc)
+        if side is not _NO_SIDE_GROUP:
+            return side
         raise InvalidArgumentError(
             f"new_group(backend={str(backend)!r}) with a lightcc default group: torch "
             f"hands every new_group to the default group's backend. Initialize the default "
@@ -118,6 +121,28 @@ def new_group(self: ProcessGroupLightCC, ranks: list[int], timeout: Any = None,
         pg.setGroupName(group_name)
     if group_desc:
         pg.setGroupDesc(group_desc)
+    return pg
+
+
+_NO_SIDE_GROUP = object()
+
+
+def _side_group(backend: str, ranks: list[int], caller: dict, group_desc: str | None) -> Any:
+    """``new_group(backend="gloo")`` beside a lightcc default group (torchtitan's checkpointer,
+    vLLM): the group torch itself would build for that backend, through the default store, on
+    every rank (None on non-members); ``_NO_SIDE_GROUP`` when this torch does not let us."""
+    helper = getattr(dist.distributed_c10d, "_new_process_group_helper", None)
+    store, name = caller.get("default_store"), caller.get("group_name")
+    if helper is None or store is None or name is None:
+        return _NO_SIDE_GROUP
+    ranks = sorted(int(r) for r in (caller.get("ranks") or ranks))
+    me = dist.get_rank()
+    pg, _ = helper(len(ranks), ranks.index(me) if me in ranks else None, ranks, backend, store,
+                   name, timeout=caller.get("timeout"), group_desc=group_desc)
+    if me not in ranks:
+        return None
+    # the helper registered the group's name; torch registers what new_group returns again
+    dist.distributed_c10d._unregister_process_group(name)
     return pg
 
 

@@ -1,6 +1,6 @@
 """torch.distributed on the "lightcc" backend in a job started the torchrun way (no MPI):
 every collective against a reference each rank builds from all ranks' seeded inputs, a
-subgroup, send/recv, DDP gradients against the single-process mean.
+subgroup, send/recv, DDP gradients against the single-process mean, gloo side groups.
 Prints "c10d ok" on success."""
 import os
 import warnings
@@ -98,6 +98,20 @@ for r in range(N):
     grads.append([p.grad.clone() for p in ref_model.parameters()])
 for i, p in enumerate(model.parameters()):
     close(p.grad, sum(g[i] for g in grads) / N, f"DDP gradient {i}", 1e-5)
+
+# a gloo side group beside the lightcc default group (torchtitan's checkpointer, vLLM)
+side = dist.new_group(backend="gloo")
+t = torch.ones(2) * R
+dist.all_reduce(t, group=side)
+assert torch.equal(t, torch.full((2,), float(sum(range(N))))), t
+assert dist.get_backend(side) == "gloo", dist.get_backend(side)
+pair = dist.new_group([0, 1], backend="gloo")
+if R in (0, 1):
+    t = torch.full((2,), float(R + 1))
+    dist.all_reduce(t, group=pair)
+    assert torch.equal(t, torch.full((2,), 3.0)), t
+else:
+    assert pair == dist.GroupMember.NON_GROUP_MEMBER, pair
 
 assert lightcc.common.api.transport() == "tcp"
 dist.destroy_process_group()
