@@ -43,6 +43,12 @@ def torchrun(nproc: int, args: list[str], env: dict[str, str] | None = None,
     return _run([cmd], [base_env(env)], timeout)
 
 
+def plain(args: list[str], env: dict[str, str] | None = None,
+          timeout: float = 180.0) -> tuple[int, str]:
+    """One ``python`` process with no launcher's variables (it starts its ranks itself)."""
+    return _run([[sys.executable, *args]], [base_env(env)], timeout)
+
+
 def by_hand(size: int, args: list[str], kind: str = "torch", env: dict[str, str] | None = None,
             timeout: float = 180.0, ranks: list[int] | None = None,
             per_rank: dict[int, dict[str, str]] | None = None) -> tuple[list[int], str]:

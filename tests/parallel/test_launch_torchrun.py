@@ -10,7 +10,7 @@ import sys
 import pytest
 
 sys.path.insert(0, __import__("os").path.dirname(__file__))
-from launch_harness import NO_MPI, WORKERS, by_hand, torchrun  # noqa: E402
+from launch_harness import NO_MPI, WORKERS, by_hand, plain, torchrun  # noqa: E402
 
 CORE = "tests/parallel/workers_core/"
 pytestmark = pytest.mark.timeout(400)
@@ -134,3 +134,37 @@ def test_dcp_async_save_under_mpirun(tmp_path):
     out = run_mpi(2, [str(WORKERS / "dcp_ddp.py"), "lightcc", str(tmp_path)],
                   env={"PYTHONWARNINGS": "ignore"}, timeout=150).stdout
     assert out.count("dcp ok on lightcc") == 2, out[-4000:]
+
+
+def _lightning_ok(out: str, transport: str) -> None:
+    sums = re.findall(r"lightning rank (\d): checksum ([-\d.]+) .* transport (\w+)", out)
+    assert sorted(r for r, _, _ in sums) == ["0", "1"], out[-5000:]
+    assert sums[0][1] == sums[1][1], sums               # DDP kept the replicas equal
+    assert {t for _, _, t in sums} == {transport}, sums
+
+
+@pytest.mark.parametrize("launch", ["python", "torchrun", "lccrun"])
+def test_lightning_ddp_strategy_with_a_lightcc_hook(launch):
+    """Issue 41's report: Trainer(devices=2, strategy=DDPStrategy(process_group_backend=
+    "lightcc", ddp_comm_hook=fp16 hook)) run with plain python (Lightning starts the second
+    process), under torchrun and under lccrun (MPI)."""
+    pytest.importorskip("pytorch_lightning")
+    script = str(WORKERS / "lightning_ddp.py")
+    if launch == "python":            # no launcher variables at all: Lightning sets them
+        rc, out = plain([script], timeout=300)
+    elif launch == "torchrun":
+        rc, out = torchrun(2, [script], timeout=300)
+    else:
+        from tests.mpi_harness import run_mpi
+        res = run_mpi(2, [script], env={"PYTHONWARNINGS": "ignore"}, timeout=300,
+                      expect_rc=None)
+        rc, out = res.returncode, res.stdout
+    assert rc == 0, out[-5000:]
+    _lightning_ok(out, "mpi" if launch == "lccrun" else "tcp")
+
+
+def test_accelerate_on_an_existing_lightcc_group():
+    pytest.importorskip("accelerate")
+    rc, out = torchrun(2, [NO_MPI, str(WORKERS / "accelerate_ddp.py")], timeout=300)
+    assert rc == 0, out[-5000:]
+    _ok(out, "accelerate ok", 2)
