@@ -114,5 +114,6 @@ else:
     assert pair == dist.GroupMember.NON_GROUP_MEMBER, pair
 
 assert lightcc.common.api.transport() == "tcp"
+assert not lightcc.torch.mpi_enabled() and not lightcc.torch.mpi_threads_supported()
 dist.destroy_process_group()
 print(f"rank {R}: c10d ok", flush=True)

@@ -6,6 +6,7 @@ through it; here a stand-in module answers from ``RANK`` / ``SLURM_PROCID`` and 
 and raises on any other use, so lightcc touching MPI fails the run. ``--no-torch`` hides torch
 (``import torch`` fails), as in an installation of the NumPy core alone.
 """
+import importlib.machinery
 import os
 import runpy
 import sys
@@ -37,6 +38,8 @@ if args[0] == "--no-torch":
 stand_in = _StandIn("mpi4py.MPI")
 package = types.ModuleType("mpi4py")
 package.MPI = stand_in
+for module in (package, stand_in):        # importlib.util.find_spec (mpi_built()) reads it
+    module.__spec__ = importlib.machinery.ModuleSpec(module.__name__, None)
 sys.modules["mpi4py"], sys.modules["mpi4py.MPI"] = package, stand_in
 script = os.path.abspath(args[0])
 sys.path.insert(0, os.path.dirname(script))
