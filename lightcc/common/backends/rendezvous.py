@@ -38,14 +38,19 @@ def next_prefix() -> str:
     return f"lightcc/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{_inits[0]}/"
 
 
-def _get(store: Any, key: str, timeout: float) -> bytes | None:
+def _get(store: Any, key: str, timeout: float, failed_key: str = "") -> bytes | None:
     """``store``'s value of ``key``, or None when it is not set within ``timeout`` seconds; a
-    :class:`LightCCError` when the store itself is gone (its host, rank 0, exited)."""
+    :class:`LightCCError` when another rank published why the rendezvous failed
+    (``failed_key``) or the store itself is gone (its host, rank 0, exited)."""
     deadline = time.monotonic() + timeout
     while True:
         try:
             if store.check([key]):
                 return store.get(key)
+            if failed_key and store.check([failed_key]):
+                raise LightCCError(store.get(failed_key).decode())
+        except LightCCError:
+            raise
         except Exception as exc:  # noqa: BLE001 - torch's and lightcc's stores raise several
             raise LightCCError(f"the rendezvous store stopped answering ({exc}); rank 0, "
                                f"which serves it, may have exited") from None
@@ -54,20 +59,30 @@ def _get(store: Any, key: str, timeout: float) -> bytes | None:
         time.sleep(0.02)
 
 
+#: how long a rank that found the rendezvous failed keeps the store up (rank 0 serves it) so
+#: the others read why, instead of only seeing the store vanish
+LINGER_S = 1.0
+
+
 def _gather(store: Any, prefix: str, what: str, size: int, timeout: float,
             where: str) -> list[Any]:
-    """Every rank's published ``what``; a :class:`LightCCError` naming the ranks missing."""
+    """Every rank's published ``what``; a :class:`LightCCError` naming the ranks missing, the
+    same on every rank (the first to time out publishes it)."""
     out: list[Any] = []
     deadline = time.monotonic() + timeout
     for r in range(size):
-        raw = _get(store, f"{prefix}{what}/{r}", max(0.0, deadline - time.monotonic()))
+        raw = _get(store, f"{prefix}{what}/{r}", max(0.0, deadline - time.monotonic()),
+                   prefix + "failed")
         if raw is None:
             missing = [q for q in range(size) if not store.check([f"{prefix}{what}/{q}"])]
             dup = _get(store, prefix + "duplicate", 0.0)
             extra = f"; two processes claimed RANK={dup.decode()}" if dup else ""
-            raise LightCCError(f"rendezvous at {where}: ranks {missing} of world size {size} "
-                               f"did not arrive within {timeout:.0f} s (started with a smaller "
-                               f"world, or failed before init?){extra}")
+            message = (f"rendezvous at {where}: ranks {missing} of world size {size} did not "
+                       f"arrive within {timeout:.0f} s (started with a smaller world, or "
+                       f"failed before init?){extra}")
+            store.set(prefix + "failed", message)
+            time.sleep(LINGER_S)
+            raise LightCCError(message)
         out.append(pickle.loads(raw))
     return out
 
