@@ -11,6 +11,8 @@ HERE = Path(__file__).parent
 #: a multi-GB download of an older one). CI's exact version (2.13.0, a CPU wheel here) comes
 #: from .ci/constraints.txt.
 TORCH = "torch>=2.13"
+#: the launchers' clients the MPI-free launch is tested with (tests/parallel/test_launch_*.py)
+LAUNCH_CLIENTS = ["pytorch-lightning>=2.4", "accelerate>=1.0"]
 
 setup(
     name="lightcc",
@@ -38,9 +40,10 @@ setup(
         "cuda": ["cupy-cuda13x>=13"],
         "autotune": ["optuna>=3.0"],
         "test": [TORCH, "pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6", "scikit-learn>=1.3",
-                 "optuna>=3.0", "tensorboard>=2.14", "matplotlib>=3.7"],
+                 "optuna>=3.0", "tensorboard>=2.14", "matplotlib>=3.7", *LAUNCH_CLIENTS],
         "dev": [TORCH, "pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6", "scikit-learn>=1.3",
-                "optuna>=3.0", "py-spy", "ruff", "matplotlib", "tensorboard>=2.14"],
+                "optuna>=3.0", *LAUNCH_CLIENTS, "py-spy", "ruff", "matplotlib",
+                "tensorboard>=2.14"],
     },
     entry_points={"console_scripts": ["lccrun = lightcc.runner:main"]},
     classifiers=["Programming Language :: Python :: 3", "Operating System :: POSIX :: Linux",

@@ -3,6 +3,7 @@
     lccrun -np 2 python examples/ddp_mnist.py                     # backend "lightcc"
     lccrun -np 2 python examples/ddp_mnist.py --comm-hook topk    # lightcc's TopK DDP hook
     lccrun -np 2 python examples/ddp_mnist.py --backend gloo      # the same script on gloo
+    torchrun --nproc-per-node 2 examples/ddp_mnist.py                  # lightcc, no MPI
     torchrun --nproc-per-node 2 examples/ddp_mnist.py --backend gloo
 
 ``init_process_group`` finds its peers through torch's environment variables (lccrun exports

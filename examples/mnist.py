@@ -1,6 +1,7 @@
 """Train a small CNN on MNIST with lightcc's DistributedOptimizer.
 
     lccrun -np 2 python examples/mnist.py          # or: mpirun -np 2 python examples/mnist.py
+    torchrun --nproc-per-node 2 examples/mnist.py  # no MPI: torchrun's store, lightcc's TCP
     python examples/mnist.py --cuda --epochs 1     # on a GPU (one per rank)
 
 Data: the four standard IDX files (``train-images-idx3-ubyte[.gz]`` ...) in ``--data-dir``;

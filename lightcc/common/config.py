@@ -194,6 +194,16 @@ KNOBS: tuple[Knob, ...] = (
          "Addresses as for the control plane "
          "(LCC_CONTROL_ADDR when it names an interface). MPI's collectives are not affected.",
          _choice(("auto", "tcp", "mpi"))),
+    Knob("transport", "LCC_TRANSPORT", lambda t: t.strip().lower(), "auto", "",
+         "What the job runs on: mpi = MPI (the default when mpirun or lccrun launched it); "
+         "tcp = no MPI at all, a rendezvous store (torch's TCPStore, else lightcc's own) and "
+         "lightcc's TCP links between every pair of ranks (the default when torchrun's or "
+         "Slurm's variables are set and no MPI launcher's); auto = that rule, logged at init.",
+         _choice(("auto", "mpi", "tcp"))),
+    Knob("rendezvous_timeout", "LCC_RENDEZVOUS_TIMEOUT", _parse_float, 300.0, "s",
+         "MPI-free launch: how long init() waits for the store at MASTER_ADDR:MASTER_PORT and "
+         "for every rank of WORLD_SIZE to arrive before it raises naming what is missing.",
+         _min(1.0)),
     Knob("overlap", "LCC_OVERLAP", lambda t: t.strip().lower(), "auto", "",
          "When collectives start: 1 = in the background as soon as submitted (overlaps "
          "communication with compute); 0 = when a thread waits for them (lazy); auto = lazy "
@@ -300,6 +310,8 @@ class Config:
     num_links: int
     mpi_idle_sleep_us: int | str
     cross_transport: str
+    transport: str
+    rendezvous_timeout: float
     overlap: str
     backend: str
     cpu_reduce: bool

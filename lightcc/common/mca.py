@@ -40,6 +40,8 @@ import os
 import sys
 from typing import Any
 
+from .backends.launch import MPI_VARS
+
 log = logging.getLogger("lightcc")
 
 LINKS_VAR = "OMPI_MCA_btl_tcp_links"
@@ -117,7 +119,7 @@ def set_timer_slack(ns: int) -> bool:
 
 
 #: Set by mpirun / PMIx in the processes it starts (a launcher's own process has none).
-RANK_VARS = ("OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "PMI_SIZE")
+RANK_VARS = MPI_VARS
 
 
 def apply_from_environment() -> None:

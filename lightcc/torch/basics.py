@@ -60,15 +60,17 @@ def _require_init() -> None:
 
 
 def mpi_threads_supported() -> bool:
-    """True when MPI runs with MPI_THREAD_MULTIPLE (needs ``init()``)."""
+    """True when MPI runs with MPI_THREAD_MULTIPLE (needs ``init()``; False without MPI, under
+    torchrun)."""
     _require_init()
-    return mpi_backend.thread_multiple()
+    return _api.transport() == "mpi" and mpi_backend.thread_multiple()
 
 
 def mpi_enabled() -> bool:
-    """True once lightcc runs over MPI (always, after ``init()``)."""
+    """True once lightcc runs over MPI (after ``init()`` under mpirun/lccrun; False under
+    torchrun and srun, where it runs without MPI)."""
     _require_init()
-    return True
+    return _api.transport() == "mpi"
 
 
 def mpi_built() -> bool:

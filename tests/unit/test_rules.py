@@ -64,8 +64,10 @@ PRIVATE_READS = {
     "torch/adasum.py": {"_compression", "_handles", "_opt", "_parameter_names",
                         "_requires_update", "_spec"},
     "torch/autograd.py": {"_allreduce_now", "_base_name", "_grouped_allreduce_submit"},
-    "torch/c10d/backend.py": {"_lightcc_original", "_plugins", "_rendezvous_handlers",
-                              "_timeout"},
+    # torch's c10d registry has no public way to declare a backend's devices or to drop a
+    # group that failed in its creator (issue 41: dcp.async_save needs the CPU device)
+    "torch/c10d/backend.py": {"_device_types", "_lightcc_original", "_plugins",
+                              "_rendezvous_handlers", "_timeout", "_unregister_process_group"},
     "torch/c10d/group.py": {"_key"},
     "torch/c10d/movement.py": {"_kw", "_merge", "_route", "_what", "_work"},
     "torch/c10d/p2p.py": {"_keep", "_timeout", "_what"},

@@ -29,8 +29,8 @@ from .collectives import (GroupHandle, allgather, allgather_async, allreduce, al
                           join, poll, reducescatter, reducescatter_async, synchronize)
 from .door import (Prepared, auto_name, compressor, prepare_allreduce, process_set_rank,
                    process_set_ranks, root_index)
-from .lifecycle import (add_process_set, init, remove_process_set, shutdown, start_timeline,
-                        stop_timeline)
+from .lifecycle import (add_process_set, init, p2p_communicator, remove_process_set, shutdown,
+                        start_timeline, stop_timeline, transport)
 from .state import (Adasum, Average, BitwiseAnd, BitwiseOr, BitwiseXor, Max, Min, ProcessSet,
                     Product, Sum, config, cross_rank, cross_size, engine, global_process_set,
                     is_homogeneous, is_initialized, local_rank, local_size, metrics, rank, size,
@@ -42,7 +42,8 @@ __all__ = ["Adasum", "Average", "BitwiseAnd", "BitwiseOr", "BitwiseXor", "GroupH
            "alltoall", "alltoall_async", "auto_name", "barrier", "barrier_async", "broadcast",
            "broadcast_async", "compressor", "config", "cross_rank", "cross_size", "engine",
            "global_process_set", "grouped_allreduce", "grouped_allreduce_async", "init",
-           "is_homogeneous", "is_initialized", "join", "local_rank", "local_size", "metrics", "poll",
-           "prepare_allreduce", "process_set_rank", "process_set_ranks", "rank",
+           "is_homogeneous", "is_initialized", "join", "local_rank", "local_size", "metrics",
+           "p2p_communicator", "poll", "prepare_allreduce", "process_set_rank",
+           "process_set_ranks", "rank",
            "reducescatter", "reducescatter_async", "remove_process_set", "root_index",
-           "shutdown", "size", "start_timeline", "stats", "stop_timeline", "synchronize"]
+           "shutdown", "size", "start_timeline", "stats", "stop_timeline", "synchronize", "transport"]

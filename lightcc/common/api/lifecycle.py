@@ -20,13 +20,20 @@ from .state import ProcessSet, _added_sets, _get, global_process_set
 log = logging.getLogger("lightcc")
 mca.apply_from_environment()      # before the script starts MPI, if it has not yet
 _atexit_registered = False
+_mesh: list = [None]          # the MPI-free world's first communicator (owns the links)
 
 
 # ---- lifecycle ------------------------------------------------------------------------------
-def init(comm: Any = None, process_sets: Sequence[ProcessSet] | None = None,
+def init(comm: Any = None, process_sets: Sequence[ProcessSet] | None = None, *,
+         store: Any = None, rank: int | None = None, world_size: int | None = None,
          **overrides: Any) -> None:
-    """Start lightcc on this process (collective over ``comm``, default MPI.COMM_WORLD).
+    """Start lightcc on this process (collective over the job's ranks).
 
+    Under mpirun/lccrun the job is ``comm`` (default MPI.COMM_WORLD); under torchrun, srun and
+    whatever sets torchrun's variables, it is every rank of ``WORLD_SIZE``, found through the
+    rendezvous store, with no MPI at all (``LCC_TRANSPORT``, :mod:`..backends.launch`).
+    ``store`` (with ``rank`` and ``world_size``): a torch.distributed store to rendezvous
+    through instead (the c10d backend passes the one ``init_process_group`` made).
     ``overrides`` take precedence over ``LCC_*`` variables, by field name
     (``init(fusion_threshold=8 << 20, algorithm="ring")``). Calling it again while initialized
     does nothing; after ``shutdown()`` it starts a fresh runtime.
@@ -37,21 +44,28 @@ def init(comm: Any = None, process_sets: Sequence[ProcessSet] | None = None,
             return
         cfg = config_mod.load(overrides)
         _setup_logging(cfg.log_level)
-        mca.apply(cfg.num_links, cfg.mpi_idle_sleep_us)
-        from ..backends import mpi
+        from ..backends import launch
 
-        if comm is None:      # a process an elastic job started to grow: join the survivors
-            from ..backends import ulfm
-
-            comm = ulfm.join_parent()
-        base, hostnames = mpi.bootstrap(comm)
+        transport, why = launch.choose_transport(cfg.transport, comm is not None,
+                                                 store is not None)
+        if transport == "mpi":
+            base, hostnames = _mpi_bootstrap(cfg, comm)
+        else:
+            base, hostnames = _tcp_bootstrap(cfg, store, rank, world_size)
+            # the direct path calls MPI from the user's thread; over TCP every call goes
+            # through the engine
+            cfg = cfg.replace(direct_bytes=0)
         eng = state._engine = Engine(cfg, base, hostnames)
         from ..kernels import _threads
 
         _threads.configure(cfg.codec_threads, hostnames.count(hostnames[eng.rank]))
         _install_rank_prefix(eng.rank)
+        if eng.rank == 0:
+            log.info("transport: %s (%s)", "MPI" if transport == "mpi" else
+                     "MPI-free: rendezvous store + lightcc's TCP links", why)
         exit_hook.install(eng.size)
-        mca.warn_if_too_late(cfg.num_links, eng.topo.num_nodes, eng.rank)
+        if transport == "mpi":
+            mca.warn_if_too_late(cfg.num_links, eng.topo.num_nodes, eng.rank)
         _start_extras(eng, cfg)
         global_process_set.ranks = list(range(eng.size))
         if not _atexit_registered:
@@ -59,6 +73,68 @@ def init(comm: Any = None, process_sets: Sequence[ProcessSet] | None = None,
             _atexit_registered = True
     for ps in process_sets or ():
         add_process_set(ps)
+
+
+def _mpi_bootstrap(cfg: config_mod.Config, comm: Any) -> tuple[Any, list[str]]:
+    """The MPI world (or ``comm``) and every rank's host name."""
+    mca.apply(cfg.num_links, cfg.mpi_idle_sleep_us)
+    from ..backends import mpi
+
+    if comm is None:      # a process an elastic job started to grow: join the survivors
+        from ..backends import ulfm
+
+        comm = ulfm.join_parent()
+    return mpi.bootstrap(comm)
+
+
+def _tcp_bootstrap(cfg: config_mod.Config, store: Any, rank: int | None,
+                   size: int | None) -> tuple[Any, list[str]]:
+    """The MPI-free world: a rendezvous through ``store`` (or the launcher's, opened here),
+    then lightcc's TCP links between every pair of ranks. Imports neither mpi4py nor torch
+    (torch's store when torch is installed)."""
+    from ..backends import kvstore, launch, rendezvous
+    from ..backends.tcpcomm import TCPCommunicator
+
+    timeout = cfg.rendezvous_timeout
+    if store is None:
+        where = launch.from_environment()
+        rank, size = where.rank, where.size
+        address = f"{where.master_addr}:{where.master_port} ({where.source})"
+        store = kvstore.open_store(where.master_addr, where.master_port, rank, size, timeout)
+    else:
+        if rank is None or size is None:
+            where = launch.from_environment()
+            rank, size = where.rank, where.size
+        address = "the store init_process_group made"
+    links, hostnames, _ = rendezvous.connect(store, int(rank), int(size), timeout,
+                                             cfg.control_addr, address)
+    base = TCPCommunicator(links, range(int(size)), "base")
+    base.owns_mesh = True
+    # rank 0 serves the store: it must outlive the slowest rank's rendezvous
+    base.store = store
+    _mesh[0] = base
+    return base, hostnames
+
+
+def transport() -> str:
+    """``"mpi"`` or ``"tcp"``: what this runtime runs on (needs ``init()``)."""
+    _get()
+    return "mpi" if _mesh[0] is None else "tcp"
+
+
+def p2p_communicator(world_ranks: Sequence[int] | None, member: bool = True) -> Any:
+    """MPI-free runtime: a communicator of ``world_ranks`` (None: all) for point-to-point
+    traffic beside the engine's, on the job's TCP links with tags of its own (collective over
+    *all* ranks; non-members pass ``member=False`` and get None). Under MPI: None (the caller
+    makes an MPI communicator)."""
+    mesh = _mesh[0]
+    if mesh is None:
+        return None
+    members = set(range(mesh.size) if world_ranks is None else world_ranks)
+    sub = mesh.split(0 if member and mesh.rank in members else 1, mesh.rank, "c10d.p2p")
+    if not (member and mesh.rank in members):
+        return None
+    return sub
 
 
 def shutdown() -> None:
@@ -74,6 +150,9 @@ def shutdown() -> None:
     if eng is not None:
         _stop_extras(eng)
         eng.shutdown(eng.config.shutdown_timeout)
+    mesh, _mesh[0] = _mesh[0], None
+    if mesh is not None:          # the MPI-free world's TCP links, after the engine stopped
+        mesh.free()
 
 
 def _start_extras(eng: Engine, cfg: config_mod.Config) -> None:

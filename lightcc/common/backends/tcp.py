@@ -254,13 +254,10 @@ class Links:
         self.peers.clear()
 
 
-def connect(comm: Any, name: str, override: str = "") -> Links | None:
-    """Connect every pair of members of ``comm`` (an :class:`MPICommunicator`; collective).
-
-    ``override`` is ``LCC_CONTROL_ADDR`` (used when it names an interface of this host).
-    Returns None on every member when any pair could not connect (the caller then keeps MPI).
-    """
-    rank, size = comm.rank, comm.size
+def listen(size: int, override: str = "") -> tuple[socket.socket, list[str]]:
+    """A listener on an ephemeral port for the other ``size - 1`` members, and the addresses
+    other hosts may reach it at (``override``: ``LCC_CONTROL_ADDR``, used when it names an
+    interface of this host)."""
     listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     listener.bind(("", 0))
@@ -269,6 +266,17 @@ def connect(comm: Any, name: str, override: str = "") -> Links | None:
         addrs = candidate_addresses(override if override in interface_addresses() else "")
     except OSError:
         addrs = []
+    return listener, addrs
+
+
+def connect(comm: Any, name: str, override: str = "") -> Links | None:
+    """Connect every pair of members of ``comm`` (an :class:`MPICommunicator`; collective).
+
+    ``override`` is ``LCC_CONTROL_ADDR`` (used when it names an interface of this host).
+    Returns None on every member when any pair could not connect (the caller then keeps MPI).
+    """
+    rank, size = comm.rank, comm.size
+    listener, addrs = listen(size, override)
     token = os.urandom(8)
     infos = comm.allgather_object((listener.getsockname()[1], addrs, token,
                                    socket.gethostname()))

@@ -339,12 +339,14 @@ def dial(addrs: list[str], port: int, hello: bytes,
 
 
 def accept_hellos(listener: socket.socket, token: bytes, expected: set[int],
-                  reply: bytes | None = None) -> dict[int, socket.socket]:
+                  reply: bytes | None = None,
+                  timeout: float | None = None) -> dict[int, socket.socket]:
     """Connections whose hello carries ``token`` and a rank of ``expected`` (one each), until
-    all came or :data:`ACCEPT_TIMEOUT_S` passed; ``reply`` is sent back on each. Others are
-    closed."""
+    all came or ``timeout`` seconds (default :data:`ACCEPT_TIMEOUT_S`) passed; ``reply`` is sent back on each. Any other
+    connection (a stranger without the job's secret, a rank claimed twice) is logged and
+    closed before a byte of it is read as data."""
     got: dict[int, socket.socket] = {}
-    deadline = time.monotonic() + ACCEPT_TIMEOUT_S
+    deadline = time.monotonic() + (ACCEPT_TIMEOUT_S if timeout is None else timeout)
     note = time.monotonic() + PROGRESS_S       # start-up progress, as lccrun prints it
     while not expected <= got.keys():
         remaining = deadline - time.monotonic()
@@ -352,7 +354,7 @@ def accept_hellos(listener: socket.socket, token: bytes, expected: set[int],
             break
         listener.settimeout(max(0.01, min(remaining, note - time.monotonic())))
         try:
-            sock, _ = listener.accept()
+            sock, peer = listener.accept()
         except TimeoutError:
             if time.monotonic() >= note and time.monotonic() < deadline:
                 note += PROGRESS_S
@@ -364,13 +366,16 @@ def accept_hellos(listener: socket.socket, token: bytes, expected: set[int],
         except OSError:
             break
         try:
-            sock.settimeout(max(1.0, remaining))
+            sock.settimeout(min(max(1.0, remaining), 10.0))
             theirs, rank = HELLO.unpack(_recv_exactly(sock, HELLO.size))
             if theirs != token or rank not in expected or rank in got:
-                raise ValueError("a stray connection, not one of ours")
+                raise ValueError("its hello does not carry this job's secret and an expected "
+                                 "rank")
             if reply is not None:
                 sock.sendall(reply)
-        except (OSError, ValueError, struct.error):
+        except (OSError, ValueError, struct.error) as exc:
+            log.warning("dropped a connection from %s on lightcc's listener port %d: %s",
+                        peer, listener.getsockname()[1], exc)
             sock.close()
             continue
         got[rank] = sock

@@ -21,6 +21,7 @@ import sys
 from datetime import timedelta
 from typing import Any, Iterator
 
+import torch
 import torch.distributed as dist
 
 from ...common import api
@@ -43,16 +44,25 @@ def _timeout_s(timeout: Any) -> float:
     return DEFAULT_TIMEOUT_S
 
 
-def _ensure_lightcc(torch_rank: int, torch_size: int) -> None:
-    """Start lightcc if needed and check that MPI and torch agree on rank and size."""
+def _ensure_lightcc(torch_rank: int, torch_size: int, store: Any = None) -> None:
+    """Start lightcc if needed (through torch's rendezvous ``store`` when the job was not
+    launched by MPI) and check that lightcc and torch agree on rank and size."""
     if not api.is_initialized():
-        api.init()
+        api.init(store=store, rank=torch_rank, world_size=torch_size)
         _state["initialized_lightcc"] = True
     if (api.rank(), api.size()) != (torch_rank, torch_size):
-        raise LightCCError(f"the lightcc backend runs over MPI, but torch says rank "
-                           f"{torch_rank} of {torch_size} and MPI says rank {api.rank()} of "
-                           f"{api.size()}: launch with lccrun or mpirun (not torchrun), or keep "
-                           f"RANK/WORLD_SIZE consistent with the MPI launch")
+        raise LightCCError(f"torch says rank {torch_rank} of {torch_size}, but lightcc runs as "
+                           f"rank {api.rank()} of {api.size()} (lightcc.init() was called on "
+                           f"another world, or MPI launched a different job): keep "
+                           f"RANK/WORLD_SIZE consistent with the launch")
+
+
+def _p2p_comm(world_ranks: list[int] | None, member: bool = True) -> Any:
+    """The group's point-to-point communicator: on the MPI-free transport a split of lightcc's
+    TCP links (collective over all ranks), else an MPI one (collective over the members)."""
+    if api.transport() == "tcp":
+        return api.p2p_communicator(world_ranks, member)
+    return make_comm(world_ranks) if member else None
 
 
 def create(opts: Any, pg_options: Any = None) -> ProcessGroupLightCC:
@@ -60,9 +70,9 @@ def create(opts: Any, pg_options: Any = None) -> ProcessGroupLightCC:
     members = list(opts.global_ranks_in_group or [])
     timeout = _timeout_s(opts.timeout)
     if not members:            # the world group
-        _ensure_lightcc(opts.group_rank, opts.group_size)
+        _ensure_lightcc(opts.group_rank, opts.group_size, getattr(opts, "store", None))
         pg = ProcessGroupLightCC(opts.group_rank, opts.group_size, api.global_process_set,
-                                 timeout, make_comm(None), list(range(opts.group_size)))
+                                 timeout, _p2p_comm(None), list(range(opts.group_size)))
         return pg
     world = dist.get_world_size()
     if sorted(members) != list(range(world)):
@@ -71,10 +81,10 @@ def create(opts: Any, pg_options: Any = None) -> ProcessGroupLightCC:
             f"torch calls the backend on the group's members only, but a lightcc process set "
             f"is created by all ranks together. Use init_process_group('lightcc') (then every "
             f"new_group works), or a group of all {world} ranks")
-    _ensure_lightcc(dist.get_rank(), world)
+    _ensure_lightcc(dist.get_rank(), world, getattr(opts, "store", None))
     ps = api.add_process_set(api.ProcessSet(members))
     return ProcessGroupLightCC(opts.group_rank, opts.group_size, ps, timeout,
-                               make_comm(None), members, owns_set=True)
+                               _p2p_comm(None), members, owns_set=True)
 
 
 def new_group(self: ProcessGroupLightCC, ranks: list[int], timeout: Any = None,
@@ -90,6 +100,9 @@ def new_group(self: ProcessGroupLightCC, ranks: list[int], timeout: Any = None,
     if backend is None:
         backend = caller.get("backend")
     if backend is not None and str(backend).lower() != BACKEND_NAME:
+        side = _side_group(str(backend).lower(), ranks, caller, group_desc)
+        if side is not _NO_SIDE_GROUP:
+            return side
         raise InvalidArgumentError(
             f"new_group(backend={str(backend)!r}) with a lightcc default group: torch "
             f"hands every new_group to the default group's backend. Initialize the default "
@@ -98,7 +111,7 @@ def new_group(self: ProcessGroupLightCC, ranks: list[int], timeout: Any = None,
     ranks = sorted(int(r) for r in ranks)
     ps = api.add_process_set(api.ProcessSet(ranks))
     member = api.rank() in ranks
-    comm = make_comm(ranks) if member else None
+    comm = _p2p_comm(ranks, member)
     if not member:
         return None
     pg = ProcessGroupLightCC(ranks.index(api.rank()), len(ranks), ps,
@@ -111,7 +124,35 @@ def new_group(self: ProcessGroupLightCC, ranks: list[int], timeout: Any = None,
     return pg
 
 
+_NO_SIDE_GROUP = object()
+
+
+def _side_group(backend: str, ranks: list[int], caller: dict, group_desc: str | None) -> Any:
+    """``new_group(backend="gloo")`` beside a lightcc default group (torchtitan's checkpointer,
+    vLLM): the group torch itself would build for that backend, through the default store, on
+    every rank (None on non-members); ``_NO_SIDE_GROUP`` when this torch does not let us."""
+    helper = getattr(dist.distributed_c10d, "_new_process_group_helper", None)
+    store, name = caller.get("default_store"), caller.get("group_name")
+    if helper is None or store is None or name is None:
+        return _NO_SIDE_GROUP
+    ranks = sorted(int(r) for r in (caller.get("ranks") or ranks))
+    me = dist.get_rank()
+    pg, _ = helper(len(ranks), ranks.index(me) if me in ranks else None, ranks, backend, store,
+                   name, timeout=caller.get("timeout"), group_desc=group_desc)
+    if me not in ranks:
+        return None
+    # the helper registered the group's name; torch registers what new_group returns again
+    dist.distributed_c10d._unregister_process_group(name)
+    return pg
+
+
 ProcessGroupLightCC.new_group = new_group
+#: the devices whose tensors the group takes (CUDA ones are staged through host memory). torch
+#: uses a Python ProcessGroup as it is, without registering it per device, so its own
+#: ``_device_types`` would be empty, and ``dcp.async_save`` would refuse the group ("A CPU
+#: backend must be enabled for async save").
+ProcessGroupLightCC._device_types = property(
+    lambda self: [torch.device("cpu"), torch.device("cuda")])
 
 
 # ---- rendezvous over MPI --------------------------------------------------------------------

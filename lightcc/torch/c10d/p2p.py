@@ -145,8 +145,10 @@ class PointToPoint:
                                f"initialized with a lower thread level)")
         if len(tensors) != 1:
             raise InvalidArgumentError(f"{what}: expected one tensor, got {len(tensors)}")
-        if not 0 <= int(tag) <= mpi_backend.max_tag():
-            raise InvalidArgumentError(f"{what}: tag {tag} is outside MPI's tag range")
+        limit = getattr(self.comm, "max_tag", None)      # MPI-free transport: its own range
+        if not 0 <= int(tag) <= (mpi_backend.max_tag() if limit is None else limit):
+            raise InvalidArgumentError(f"{what}: tag {tag} is outside the transport's tag "
+                                       f"range")
         return tensors[0]
 
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int) -> P2PWork:
