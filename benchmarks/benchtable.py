@@ -23,9 +23,9 @@ def split(config: str) -> tuple[str, str, float | None]:
 
 
 def num(v: float) -> str:
-    """A throughput figure: whole numbers from 100 up, one decimal below (real-size models on
-    two cores train a few samples per second)."""
-    return f"{v:.0f}" if abs(v) >= 100 else f"{v:.1f}"
+    """A throughput figure to about three digits (real-size models on two cores train a few
+    samples per second, or less)."""
+    return f"{v:.0f}" if abs(v) >= 100 else f"{v:.1f}" if abs(v) >= 10 else f"{v:.2f}"
 
 
 def spread(values: list[float]) -> str:

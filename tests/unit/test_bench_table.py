@@ -17,7 +17,8 @@ def _rows(model, config, values, rss=None):
 
 def test_spread_shows_a_bimodal_column_as_one():
     assert bt.spread([100.0, 300.0, 310.0, 120.0, 305.0]) == "100 / 300 / 310"
-    assert bt.spread([7.25, 7.5, 8.0]) == "7.2 / 7.5 / 8.0"
+    assert bt.spread([7.25, 7.5, 8.0]) == "7.25 / 7.50 / 8.00"
+    assert bt.spread([12.25, 0.234]) == "0.23 / 6.24 / 12.2"
     assert bt.spread([]) == "-"
 
 
