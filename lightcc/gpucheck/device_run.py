@@ -10,11 +10,11 @@ less time left than its minimum is reported as not run, with the reason):
    hooks, FSDP2 with compressed reduce-scatter, ``torch.compile(DDP)`` on one rank, all on the
    ``lightcc`` backend; per-step time against DDP on NCCL (1 rank) and gloo (2 ranks sharing
    the GPU));
-3. ``engine-1rank`` / ``engine-2rank``: the gpucheck engine cases (NCCL; MPI staging);
-4. ``gpu-tests``: ``tests/gpu``;
-5. ``netns-x1`` / ``netns-x2``: ``benchmarks/training.py --netns`` (2 simulated hosts x 1 and
+3. ``netns-x1`` / ``netns-x2``: ``benchmarks/training.py --netns`` (2 simulated hosts x 1 and
    x 2 ranks, 1 Gbit), each rank pinned to cores of its own (``benchmarks/device_pin``),
-   barrier vs cross-barrier, none / fp16 / fp8, DDP / DDP fp16 hook, bounds printed.
+   barrier vs cross-barrier, none / fp16 / fp8, DDP / DDP fp16 hook, bounds printed;
+4. ``engine-1rank`` / ``engine-2rank``: the gpucheck engine cases (NCCL; MPI staging);
+5. ``gpu-tests``: ``tests/gpu`` (steps 4-5 passed on the H200 before: they come last).
 
 Before anything runs it checks what the machine has; when something is missing it writes the
 report (verdict ``no GPU``), prints one line naming every missing piece and exits with status 2
@@ -165,7 +165,7 @@ def training_step(out: Path, per_host: int, per_rank: int, limit: float, models:
     name = f"netns-x{per_host}"
     cmd = [python or sys.executable, "benchmarks/training.py", "--netns", "--ranks-per-host",
            str(per_host), "--rate", "1gbit", "--models", models, "--configs", TRAIN_CONFIGS,
-           "--iters", "10", "--rounds", "2", "--timeout", str(int(limit) - 10),
+           "--iters", "8", "--warmup", "3", "--rounds", "2", "--timeout", str(int(limit) - 10),
            "--json", str(out / f"{name}.json")]
     env = {"PYTHONPATH": os.pathsep.join([str(run.ROOT / PIN_DIR), str(run.ROOT)]),
            "DEVICE_RUN_CORES_PER_RANK": str(per_rank),
@@ -196,6 +196,8 @@ def plan(out: Path, per_rank: int = 4, models: str = "resmlp",
                   run._mpi(2, ddp + ["--no-compile", "--port", "29562", "--json",
                                      str(out / "ddp-2rank.json")]), 60,
                   lambda o: parse_ddp(o / "ddp-2rank.json"), {"LCC_BACKEND": "mpi"}), 40),
+        (training_step(out, 1, per_rank, 110, models, python), 70),
+        (training_step(out, 2, per_rank, 110, models, python), 70),
         (run.Step("engine-1rank", "engine, 1 rank, NCCL: every algorithm x compressor",
                   run._mpi(1, [py, "-m", "lightcc.gpucheck.engine_check", "--json",
                                str(out / "engine-1rank.json")]), 40,
@@ -210,8 +212,6 @@ def plan(out: Path, per_rank: int = 4, models: str = "resmlp",
                                "no:cacheprovider", "-o", "addopts=",
                                f"--junitxml={out / 'gpu-tests.xml'}"]), 50,
                   lambda o: run._junit(o / "gpu-tests.xml"), needs=("tests/gpu",)), 35),
-        (training_step(out, 1, per_rank, 110, models, python), 70),
-        (training_step(out, 2, per_rank, 110, models, python), 70),
     ]
 
 
