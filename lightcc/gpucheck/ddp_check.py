@@ -31,6 +31,7 @@ from typing import Any
 from .engine_check import Cases
 
 TOL = {"none": 1e-5, "fp16": 2.0 ** -9, "fp8": 2.0 ** -3}
+KEEP: list = []     # DDP/FSDP models stay alive: freeing a Reducer can deadlock gloo's threads
 
 
 def build(torch: Any, layers: int, width: int) -> Any:
@@ -94,6 +95,7 @@ def ddp(check: Check, group: Any, hook: str | None, native_hook: bool = False) -
         from lightcc.torch import ddp_hooks
 
         ddp_hooks.register(model, hook, process_group=group)
+    KEEP.append(model)
     return model
 
 
@@ -111,6 +113,7 @@ def fsdp(check: Check, group: Any, fmt: str) -> Any:
     fully_shard(model, mesh=mesh)
     spec = getattr(lightcc.Compression, fmt)
     lightcc.torch.fsdp.compress(model, spec() if callable(spec) else spec)
+    KEEP.append(model)
     return model
 
 
