@@ -92,6 +92,34 @@ def _cases(steps: list[dict[str, Any]]) -> list[str]:
                    [[n, *[cell(cases.get(n)) for _, cases in runs]] for n in names])]
 
 
+def _timing(steps: list[dict[str, Any]]) -> list[str]:
+    """DDP per-step time on the lightcc backend against the native backend (ddp_check)."""
+    rows = [[s["name"], t["hook"], f"{t['native']}: {_num(t['native_ms'], '.2f')}",
+             _num(t["lightcc_ms"], ".2f"), _num(t["overhead_pct"], "+.1f") + " %",
+             _num(t["ratio"], ".2f")]
+            for s in steps if isinstance(s.get("data"), dict)
+            for t in s["data"].get("timing", [])]
+    if not rows:
+        return []
+    return ["", "## DDP per step, lightcc backend vs native (ms, median, slowest rank)", "",
+            "Targets: 1 rank, overhead over DDP on NCCL <= 5 %; 2 ranks sharing the GPU, "
+            "native (gloo) / lightcc >= 1.0.", "",
+            _table(["step", "hook", "native ms", "lightcc ms", "overhead", "native / lightcc"],
+                   rows)]
+
+
+def _training(steps: list[dict[str, Any]]) -> list[str]:
+    """training.py's columns (median img/s over rounds) per simulated-hosts run."""
+    out = []
+    for s in steps:
+        med = s.get("data", {}).get("median_img_s") if isinstance(s.get("data"), dict) else None
+        if med:
+            out += ["", f"## {s['title']}: img/s, median over rounds", "",
+                    _table(["model column", "img/s"], [[k, f"{v:.0f}"] for k, v in med.items()]),
+                    "", "(the bounds table is in logs/" + s["name"] + ".log)"]
+    return out
+
+
 def markdown(doc: dict[str, Any]) -> str:
     env = doc["env"]
     lines = ["# lightcc GPU check", "",
@@ -102,6 +130,7 @@ def markdown(doc: dict[str, Any]) -> str:
     for s in doc["steps"]:
         if s["name"] == "benchmarks" and isinstance(s.get("data"), dict):
             lines += ["", "## Benchmarks", "", TARGET_NOTE] + _bench(s["data"])
+    lines += _timing(doc["steps"]) + _training(doc["steps"])
     lines += _cases(doc["steps"])
     lines += ["", "## Limits", "", LIMITS, ""]
     return "\n".join(lines)

@@ -197,7 +197,8 @@ def run_step(step: Step, out: Path, limit: float) -> dict[str, Any]:
         return row
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [
         str(ROOT), os.environ.get("PYTHONPATH", "")])), PYTHONUNBUFFERED="1",
-        OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", **step.env)
+        OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    env.update(step.env)                      # a step may set its own PYTHONPATH
     log = out / "logs" / f"{step.name}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()

@@ -105,3 +105,19 @@ def install(monkeypatch: Any = None, devices: int = 1,
         out.torch = TorchCuda()
         monkeypatch.setattr(torch.cuda, "current_stream", out.torch.current_stream)
     return out
+
+
+def spy_submissions() -> list:
+    """Make the engine record every request submitted in this process (for good); returns the
+    list they are appended to."""
+    from lightcc.common.engine import Engine
+
+    submitted: list = []
+    submit = Engine.submit
+
+    def spy(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
+        submitted.append(request)
+        return submit(self, request, *args, **kwargs)
+
+    Engine.submit = spy
+    return submitted

@@ -7,7 +7,9 @@ Collectives issued inside future callbacks are the exception: their timing diffe
 ranks, so they are matched by deterministic names instead (see :mod:`.futures`).
 
 Tensors are handed to the core as NumPy views (contiguous CPU tensors, no copy; other tensors
-through a CPU staging copy, copied back when the collective completes). Results reach torch
+through a CPU staging copy, copied back when the collective completes), except CUDA tensors of
+allreduce, which go to the engine's device path as zero-copy device arrays when CuPy sees a GPU
+(``ops.device_stage``; the other collectives still stage CUDA tensors through the host). Results reach torch
 through :class:`~.work.LightCCWork`. Argument errors raise at once, naming the collective and
 option. The gather / scatter / all-to-all family is in :mod:`.movement`.
 """
@@ -154,10 +156,11 @@ class ProcessGroupLightCC(DataMovement, dist.ProcessGroup):
                 "wake": wake}
 
     def _work(self, handles: list[Any], finish: Callable[[list], Any], what: str, key: str,
-              opts: Any = None, outputs: Sequence[torch.Tensor] = ()) -> LightCCWork:
+              opts: Any = None, outputs: Sequence[torch.Tensor] = (),
+              stream_device: Any = None) -> LightCCWork:
         devices = sorted({t.device for t in outputs if t.is_cuda}, key=str)
         work = LightCCWork(handles, finish, what, key, ops.timeout_of(opts, self._timeout),
-                           devices)
+                           devices, stream_device)
         if self._coalescing is not None:
             self._coalescing.append(work)
         return work
@@ -176,7 +179,7 @@ class ProcessGroupLightCC(DataMovement, dist.ProcessGroup):
         what = self._what(coll)
         if single:
             ops.one(tensors, what)
-        staged = [host_stage(t, what) for t in tensors]
+        staged = [ops.device_stage(t, what) for t in tensors]
         prepared = [(st, *ops.reduce_op(opts.reduceOp, st.tensor.dtype, what)) for st in staged]
         key, route = self._route(what)
         handles = [api.allreduce_async(st.array, op, prescale_factor=pre, out=st.array,
@@ -186,7 +189,8 @@ class ProcessGroupLightCC(DataMovement, dist.ProcessGroup):
         def finish(_results: list) -> list[torch.Tensor]:
             return [st.finish() for st in staged]
 
-        return self._work(handles, finish, what, key, opts, tensors)
+        gpu = next((st.tensor.device for st in staged if st.gpu), None)
+        return self._work(handles, finish, what, key, opts, tensors, stream_device=gpu)
 
     def _rooted(self, coll: str, tensors: list[torch.Tensor], opts: Any) -> tuple:
         """(what, tensor, staged tensor, root) of a rooted collective, its options checked."""

@@ -5,6 +5,7 @@ raises at once (naming the collective and the option) instead of failing later o
 """
 from __future__ import annotations
 
+import functools
 from datetime import timedelta
 from typing import Any, Sequence
 
@@ -13,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from ...common.exceptions import InvalidArgumentError, UnsupportedDTypeError
-from .._tensor import host_stage
+from .._tensor import Staged, host_stage, stage
 
 _R = dist.ReduceOp.RedOpType
 _BASIC = {_R.SUM: "sum", _R.AVG: "average", _R.MIN: "min", _R.MAX: "max",
@@ -89,3 +90,19 @@ def timeout_of(opts: Any, default: float) -> float:
 def cpu_flat(t: torch.Tensor, what: str) -> np.ndarray:
     """``t`` as a 1-D array: a view of a contiguous CPU tensor, else a contiguous CPU copy."""
     return host_stage(t, what).array.reshape(-1)
+
+
+@functools.lru_cache(maxsize=None)
+def _gpu_path() -> bool:
+    from ...common.kernels import cuda as kc
+
+    return kc.gpu_available()
+
+
+def device_stage(t: torch.Tensor, what: str) -> Staged:
+    """A CUDA tensor as a zero-copy device array for the engine's device path (NCCL, or MPI
+    through pinned memory where NCCL is unusable; its ready event recorded on torch's current
+    stream) when CuPy sees a GPU; everything else as :func:`host_stage` does."""
+    if getattr(getattr(t, "device", None), "type", None) == "cuda" and _gpu_path():
+        return stage(t, what, cuda=True, resizable=True)
+    return host_stage(t, what)

@@ -18,6 +18,7 @@ from typing import Any, Callable, Sequence
 import torch.distributed as dist
 
 from ...common.exceptions import LightCCError
+from .._tensor import torch_stream
 from .futures import POOL, LightCCFuture
 from .untraced import untraced
 
@@ -97,9 +98,11 @@ class LightCCWork(FutureWork):
     """One torch collective over lightcc (see module docstring)."""
 
     def __init__(self, handles: Sequence[Any], finish: Callable[[list], Any], what: str,
-                 key: str, timeout: float, devices: list | None = None) -> None:
+                 key: str, timeout: float, devices: list | None = None,
+                 stream_device: Any = None) -> None:
         super().__init__(what, key, timeout)
         self.devices = devices or []
+        self._stream = stream_device     # CUDA results: the waiter's torch stream waits on them
         self._handles = list(handles)
         self._finish = finish
         self._state: Any = None          # None: not settled; True: ok; else the exception
@@ -119,6 +122,12 @@ class LightCCWork(FutureWork):
             return self._state
 
     def wait(self, timeout: Any = None) -> bool:
+        """Blocks until done; with CUDA results on the device path, the waiting thread's
+        current torch stream then waits on the engine's done event (no host round trip)."""
+        with torch_stream(self._stream):
+            return self._wait(timeout)
+
+    def _wait(self, timeout: Any) -> bool:
         limit = seconds(timeout, self._timeout)
         deadline = time.monotonic() + limit
         for h in self._handles:

@@ -18,27 +18,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
 import numpy as np  # noqa: E402
 
-from tests.doubles import fake_cupy, install  # noqa: E402
+from tests.doubles import fake_cupy, install, spy_submissions  # noqa: E402
 
 gpu = install(devices=2, torch_cuda=True)
 cupy = gpu.cupy
 
 import lightcc as lcc  # noqa: E402
 from lightcc.common import api  # noqa: E402
-from lightcc.common.engine import Engine  # noqa: E402
 
 ALGORITHMS = ["flat", "ring", "tree", "hierarchical", "2d"]
 COMPRESSORS = ["none", "fp16", "bf16", "fp8", "fp8_e5m2", "topk", "powersgd"]
-submitted: list = []
-_submit = Engine.submit
-
-
-def _spy(self, request, *args, **kwargs):
-    submitted.append(request)
-    return _submit(self, request, *args, **kwargs)
-
-
-Engine.submit = _spy
+submitted = spy_submissions()
 
 
 def data(rank: int, shape: tuple, seed: int) -> np.ndarray:
