@@ -45,7 +45,7 @@ PIN_DIR = "benchmarks/device_pin"
 
 
 def preflight(imp: Callable[[str], Any] = importlib.import_module,
-              mpirun: Callable[[], str | None] = run._mpirun) -> list[str]:
+              mpirun: Callable[[], str | None] = run.find_mpirun) -> list[str]:
     """Every piece the run needs that this machine lacks (empty: all there)."""
     missing: list[str] = []
 
@@ -184,34 +184,34 @@ def plan(out: Path, per_rank: int = 4, models: str = "resmlp",
     ddp = [py, "-m", "lightcc.gpucheck.ddp_check"]
     return [
         (run.Step("benchmarks", "benchmarks/gpu.py 256 MiB: TopK 1 % exact k, casts vs torch",
-                  run._mpi(1, [py, "benchmarks/gpu.py", "--size-mb", "256", "--reps", "5",
+                  run.mpi_command(1, [py, "benchmarks/gpu.py", "--size-mb", "256", "--reps", "5",
                                "--max-allreduce-mb", "256", "--json",
                                str(out / "benchmarks.json")]),
-                  40, lambda o: run._bench(o / "benchmarks.json"), needs=("benchmarks/gpu.py",)),
+                  40, lambda o: run.bench_result(o / "benchmarks.json"), needs=("benchmarks/gpu.py",)),
          20),
         (run.Step("ddp-1rank", "DDP/FSDP2/compile(DDP) on lightcc, 1 rank, vs DDP on NCCL",
-                  run._mpi(1, ddp + ["--json", str(out / "ddp-1rank.json")]), 90,
+                  run.mpi_command(1, ddp + ["--json", str(out / "ddp-1rank.json")]), 90,
                   lambda o: parse_ddp(o / "ddp-1rank.json"), {"LCC_BACKEND": "nccl"}), 45),
         (run.Step("ddp-2rank", "DDP/FSDP2 on lightcc, 2 ranks on 1 GPU (staging), vs gloo",
-                  run._mpi(2, ddp + ["--no-compile", "--port", "29562", "--json",
+                  run.mpi_command(2, ddp + ["--no-compile", "--port", "29562", "--json",
                                      str(out / "ddp-2rank.json")]), 60,
                   lambda o: parse_ddp(o / "ddp-2rank.json"), {"LCC_BACKEND": "mpi"}), 40),
         (training_step(out, 1, per_rank, 110, models, python), 70),
         (training_step(out, 2, per_rank, 110, models, python), 70),
         (run.Step("engine-1rank", "engine, 1 rank, NCCL: every algorithm x compressor",
-                  run._mpi(1, [py, "-m", "lightcc.gpucheck.engine_check", "--json",
+                  run.mpi_command(1, [py, "-m", "lightcc.gpucheck.engine_check", "--json",
                                str(out / "engine-1rank.json")]), 40,
-                  lambda o: run._engine(o / "engine-1rank.json"), {"LCC_BACKEND": "nccl"}), 25),
+                  lambda o: run.engine_result(o / "engine-1rank.json"), {"LCC_BACKEND": "nccl"}), 25),
         (run.Step("engine-2rank", "engine, 2 ranks on 1 GPU, MPI through pinned memory",
-                  run._mpi(2, [py, "-m", "lightcc.gpucheck.engine_check", "--algorithms",
+                  run.mpi_command(2, [py, "-m", "lightcc.gpucheck.engine_check", "--algorithms",
                                "flat,ring,hierarchical", "--json",
                                str(out / "engine-2rank.json")]), 40,
-                  lambda o: run._engine(o / "engine-2rank.json"), {"LCC_BACKEND": "mpi"}), 25),
+                  lambda o: run.engine_result(o / "engine-2rank.json"), {"LCC_BACKEND": "mpi"}), 25),
         (run.Step("gpu-tests", "GPU test suite (tests/gpu)",
-                  run._mpi(1, [py, "-m", "pytest", "tests/gpu", "-m", "gpu", "-q", "-p",
+                  run.mpi_command(1, [py, "-m", "pytest", "tests/gpu", "-m", "gpu", "-q", "-p",
                                "no:cacheprovider", "-o", "addopts=",
                                f"--junitxml={out / 'gpu-tests.xml'}"]), 50,
-                  lambda o: run._junit(o / "gpu-tests.xml"), needs=("tests/gpu",)), 35),
+                  lambda o: run.junit_result(o / "gpu-tests.xml"), needs=("tests/gpu",)), 35),
     ]
 
 
@@ -219,10 +219,10 @@ def execute(plan_: list[tuple[run.Step, float]], out: Path, budget_s: float,
             skip: dict[str, str], env: dict[str, Any]) -> list[dict[str, Any]]:
     """Run the plan inside the budget; a step in ``skip`` or without its minimum time left is
     'not run' with the reason. The report is rewritten after every step."""
-    deadline = run._clock() + budget_s
+    deadline = run.clock() + budget_s
     rows: list[dict[str, Any]] = []
     for step, minimum in plan_:
-        left = deadline - run._clock()
+        left = deadline - run.clock()
         row = {"name": step.name, "title": step.title, "status": "not run", "seconds": 0.0}
         if step.name in skip:
             rows.append(dict(row, detail=skip[step.name]))
@@ -257,12 +257,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     env = run.probe()
     env["cores"] = os.cpu_count()
-    env["mpi"] = _mpi_flavour(run._mpirun())
+    env["mpi"] = _mpi_flavour(run.find_mpirun())
     python = None
     if "Open MPI) 4" in env["mpi"]:
         try:
             python = str(open_mpi4_python(Path(tempfile.gettempdir()) / "lcc-device-run-ompi4",
-                                          run._mpirun() or "mpirun"))
+                                          run.find_mpirun() or "mpirun"))
             env["netns_python"] = f"{python} (mpirun shim for Open MPI 4)"
         except (OSError, subprocess.SubprocessError) as exc:
             env["netns_python"] = f"no Open MPI 4 shim ({exc})"

@@ -42,7 +42,7 @@ from . import report
 ROOT = Path(__file__).resolve().parents[2]
 BUDGET_S = 570.0          # the whole run; leaves room in a 10-minute slot
 MIN_STEP_S = 30.0         # a step with less time than this left is not started
-_clock = time.monotonic   # the budget's clock (seconds)
+clock = time.monotonic   # the budget's clock (seconds)
 
 
 def probe() -> dict[str, Any]:
@@ -77,20 +77,20 @@ def probe() -> dict[str, Any]:
         env["torch_cuda"] = torch.cuda.is_available()
     except ImportError:
         env["torch"] = "not installed"
-    env["mpirun"] = _mpirun() or "not found"
+    env["mpirun"] = find_mpirun() or "not found"
     env["summary"] = (f"{env['gpus']} x {env['device']}, CuPy {env['cupy']}, NCCL "
                       f"{env['nccl']}, torch {env.get('torch')}, mpirun {env['mpirun']}")
     return env
 
 
-def _mpirun() -> str | None:
+def find_mpirun() -> str | None:
     here = Path(sys.executable).parent / "mpirun"
     return str(here) if here.exists() else shutil.which("mpirun")
 
 
-def _mpi(np_: int, args: list[str]) -> list[str]:
+def mpi_command(np_: int, args: list[str]) -> list[str]:
     """``mpirun -np N ... args``; for one rank without mpirun, ``args`` alone (singleton)."""
-    launcher = _mpirun()
+    launcher = find_mpirun()
     if launcher is None and np_ == 1:
         return args
     cmd = [launcher or "mpirun", "-np", str(np_), "--oversubscribe", "--bind-to", "none"]
@@ -112,7 +112,7 @@ class Step:
     needs: tuple[str, ...] = ()              # files under ROOT the step runs
 
 
-def _junit(path: Path) -> tuple[str, Any]:
+def junit_result(path: Path) -> tuple[str, Any]:
     files: dict[str, dict[str, Any]] = {}
     for case in ET.parse(path).getroot().iter("testcase"):
         f = files.setdefault(case.get("classname", "?").split(".")[-1],
@@ -129,14 +129,14 @@ def _junit(path: Path) -> tuple[str, Any]:
     return detail, {"files": files}
 
 
-def _engine(path: Path) -> tuple[str, Any]:
+def engine_result(path: Path) -> tuple[str, Any]:
     data = json.loads(path.read_text(encoding="utf-8"))
     ok = len(data["cases"]) - data["failed"]
     backends = sorted({c["note"] for c in data["cases"] if c["note"].startswith("backend")})
     return f"{ok}/{len(data['cases'])} cases ok ({', '.join(backends)})", data
 
 
-def _bench(path: Path) -> tuple[str, Any]:
+def bench_result(path: Path) -> tuple[str, Any]:
     data = json.loads(path.read_text(encoding="utf-8"))
     miss = [k["kernel"] for k in data["kernels"] if k["verdict"] == "MISS"]
     parts = [f"kernel targets missed: {', '.join(miss)}" if miss else
@@ -159,28 +159,28 @@ def steps(out: Path, quick: bool) -> list[Step]:
     mb = "64" if quick else "256"
     return [
         Step("gpu-tests", "GPU test suite (tests/gpu)",
-             _mpi(1, [py, "-m", "pytest", "tests/gpu", "-m", "gpu", "-q", "-p",
+             mpi_command(1, [py, "-m", "pytest", "tests/gpu", "-m", "gpu", "-q", "-p",
                       "no:cacheprovider", "-o", "addopts=",
                       f"--junitxml={out / 'gpu-tests.xml'}"]),
-             240, lambda o: _junit(o / "gpu-tests.xml"), needs=("tests/gpu",)),
+             240, lambda o: junit_result(o / "gpu-tests.xml"), needs=("tests/gpu",)),
         Step("engine-1rank", "engine, 1 rank, NCCL: every algorithm x compressor",
-             _mpi(1, [py, "-m", "lightcc.gpucheck.engine_check", "--cpu-reduce",
+             mpi_command(1, [py, "-m", "lightcc.gpucheck.engine_check", "--cpu-reduce",
                       "--json", str(out / "engine-1rank.json")]),
-             150, lambda o: _engine(o / "engine-1rank.json"), {"LCC_BACKEND": "nccl"}),
+             150, lambda o: engine_result(o / "engine-1rank.json"), {"LCC_BACKEND": "nccl"}),
         Step("benchmarks", "benchmarks/gpu.py",
-             _mpi(1, [py, "benchmarks/gpu.py", "--size-mb", mb, "--reps", "5",
+             mpi_command(1, [py, "benchmarks/gpu.py", "--size-mb", mb, "--reps", "5",
                       "--max-allreduce-mb", mb, "--json", str(out / "benchmarks.json")]),
-             150, lambda o: _bench(o / "benchmarks.json"), needs=("benchmarks/gpu.py",)),
+             150, lambda o: bench_result(o / "benchmarks.json"), needs=("benchmarks/gpu.py",)),
         Step("mnist-1rank", "examples/mnist.py --cuda, 1 epoch",
-             _mpi(1, [py, "examples/mnist.py", "--cuda", "--epochs", "1", "--json",
+             mpi_command(1, [py, "examples/mnist.py", "--cuda", "--epochs", "1", "--json",
                       str(out / "mnist-1rank.json")]),
              100, lambda o: _mnist(o / "mnist-1rank.json"), needs=("examples/mnist.py",)),
         Step("engine-2rank", "engine, 2 ranks on 1 GPU, MPI through pinned memory",
-             _mpi(2, [py, "-m", "lightcc.gpucheck.engine_check", "--algorithms",
+             mpi_command(2, [py, "-m", "lightcc.gpucheck.engine_check", "--algorithms",
                       "flat,ring,hierarchical", "--json", str(out / "engine-2rank.json")]),
-             150, lambda o: _engine(o / "engine-2rank.json"), {"LCC_BACKEND": "mpi"}),
+             150, lambda o: engine_result(o / "engine-2rank.json"), {"LCC_BACKEND": "mpi"}),
         Step("mnist-2rank", "examples/mnist.py --cuda, 2 ranks (MPI staging), 1 epoch",
-             _mpi(2, [py, "examples/mnist.py", "--cuda", "--epochs", "1", "--json",
+             mpi_command(2, [py, "examples/mnist.py", "--cuda", "--epochs", "1", "--json",
                       str(out / "mnist-2rank.json")]),
              120, lambda o: _mnist(o / "mnist-2rank.json"), {"LCC_BACKEND": "mpi"},
              needs=("examples/mnist.py",)),
@@ -251,13 +251,13 @@ def main(argv: list[str] | None = None) -> int:
               f"a CUDA GPU, CuPy, NCCL and torch with CUDA.", file=sys.stderr)
         report.write(out, dict(env, summary=f"no GPU ({env['why']})"), [])
         return 2
-    deadline = _clock() + args.budget_s
+    deadline = clock() + args.budget_s
     only = {s for s in args.only.split(",") if s}
     rows: list[dict[str, Any]] = []
     for step in steps(out, args.quick):
         if only and step.name not in only:
             continue
-        left = deadline - _clock()
+        left = deadline - clock()
         if left < MIN_STEP_S:
             rows.append({"name": step.name, "title": step.title, "status": "not run",
                          "seconds": 0.0, "detail": "no time left in the budget"})

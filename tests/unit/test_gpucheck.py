@@ -55,9 +55,9 @@ def test_runner_reports_every_step(tmp_path, monkeypatch, capsys):
         a = [str(out_dir)]
         return [
             run.Step("engine-1rank", "engine", _writer("e.json", ENGINE) + a, 20,
-                     lambda o: run._engine(o / "e.json")),
+                     lambda o: run.engine_result(o / "e.json")),
             run.Step("benchmarks", "bench", _writer("b.json", BENCH) + a, 20,
-                     lambda o: run._bench(o / "b.json")),
+                     lambda o: run.bench_result(o / "b.json")),
             run.Step("broken", "a crash", _writer("x.json", {}, rc=3) + a, 20,
                      lambda o: run._mnist(o / "x.json")),
             run.Step("source", "needs files", ["true"], 20, lambda o: ("", {}),
@@ -78,7 +78,7 @@ def test_runner_reports_every_step(tmp_path, monkeypatch, capsys):
         clock[0] += 10.0 if st.name != "slow" else 100.0     # "slow" spends the budget
         return step(st, out_dir, limit)
 
-    monkeypatch.setattr(run, "_clock", lambda: clock[0])
+    monkeypatch.setattr(run, "clock", lambda: clock[0])
     monkeypatch.setattr(run, "run_step", run_step)
     rc = run.main(["--out", str(out), "--budget-s", "50"])
     assert rc == 1
@@ -116,9 +116,9 @@ def test_missing_launcher_fails_the_step_and_the_run_goes_on(tmp_path, monkeypat
 
     def steps(out_dir: Path, quick: bool) -> list[run.Step]:
         return [run.Step("engine-2rank", "two ranks", ["/no/such/mpirun", "-np", "2"], 20,
-                         lambda o: run._engine(o / "e.json")),
+                         lambda o: run.engine_result(o / "e.json")),
                 run.Step("engine-1rank", "one rank", _writer("e.json", ENGINE) + [str(out_dir)],
-                         20, lambda o: run._engine(o / "e.json"))]
+                         20, lambda o: run.engine_result(o / "e.json"))]
 
     monkeypatch.setattr(run, "probe", lambda: {"gpu": True, "summary": "1 x H100"})
     monkeypatch.setattr(run, "steps", steps)
@@ -137,11 +137,11 @@ def test_missing_launcher_fails_the_step_and_the_run_goes_on(tmp_path, monkeypat
 
 
 def test_one_rank_steps_use_mpirun_when_there_is_one(monkeypatch, tmp_path):
-    monkeypatch.setattr(run, "_mpirun", lambda: "/usr/bin/mpirun")
+    monkeypatch.setattr(run, "find_mpirun", lambda: "/usr/bin/mpirun")
     cmds = {s.name: s.cmd for s in run.steps(tmp_path, quick=True)}
     assert all(c[0] == "/usr/bin/mpirun" and c[c.index("-np") + 1] in ("1", "2")
                for c in cmds.values())
-    monkeypatch.setattr(run, "_mpirun", lambda: None)
+    monkeypatch.setattr(run, "find_mpirun", lambda: None)
     cmds = {s.name: s.cmd for s in run.steps(tmp_path, quick=True)}
     assert cmds["engine-1rank"][0] == sys.executable          # singleton start as a fallback
     assert cmds["engine-2rank"][0] == "mpirun"                 # fails to start, reported

@@ -113,7 +113,7 @@ def test_execute_keeps_the_budget_and_says_why_a_step_did_not_run(tmp_path, monk
         clock[0] += 30.0
         return step(st, out_dir, limit)
 
-    monkeypatch.setattr(run, "_clock", lambda: clock[0])
+    monkeypatch.setattr(run, "clock", lambda: clock[0])
     monkeypatch.setattr(run, "run_step", run_step)
     rows = device_run.execute(plan, out, 100.0, {"netns-x2": "not possible here: no root"},
                               {"gpu": True, "summary": "test"})
@@ -140,7 +140,7 @@ def test_parse_training_without_timed_rows_is_an_error(tmp_path):
 
 
 def test_plan_fits_eight_minutes_and_pins_training(tmp_path, monkeypatch):
-    monkeypatch.setattr(run, "_mpirun", lambda: "/usr/bin/mpirun")
+    monkeypatch.setattr(run, "find_mpirun", lambda: "/usr/bin/mpirun")
     plan = device_run.plan(tmp_path, per_rank=4, python="/tmp/py")
     assert device_run.BUDGET_S <= 8 * 60 - 60          # a minute left for the machine's start
     assert all(minimum <= st.timeout for st, minimum in plan)
