@@ -6,7 +6,7 @@ the waiting thread block in the kernel (``select``) until a message arrives, a l
 wakes it (:meth:`ControlPlane.wake`) or a deadline passes, at no CPU cost. Data still moves over
 MPI; only reports and batches (tens of bytes each in steady state) travel here.
 
-Shape: the tree of negotiation.py (``LCC_CONTROL_FANOUT`` children per rank; a job of up to
+Shape: the tree of tree.py (``LCC_CONTROL_FANOUT`` children per rank; a job of up to
 fanout + 1 ranks is a star around rank 0). Every rank with children listens on an ephemeral
 port; during ``init()`` one MPI allgather spreads every listener's port and candidate addresses,
 one broadcast rank 0's random token, and each rank connects once to its parent. Ranks on their
