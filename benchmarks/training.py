@@ -664,6 +664,9 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
                         "port; 0 (default): a free one for every job")
     parser.add_argument("--timeout", type=float, default=3600, help="per job, s")
     parser.add_argument("--json", default=None, help="write every row here")
+    parser.add_argument("--plot", default=None, metavar="FILE.png",
+                        help="also draw images/s per model and configuration (median over "
+                             "rounds; benchmarks/plots.py, matplotlib)")
     parser.add_argument("--verbose", action="store_true", help="show the ranks' output")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--engine-cost-only", action="store_true", help=argparse.SUPPRESS)
@@ -767,6 +770,11 @@ def main() -> None:
         result["engine_cost"] = got
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
+    if args.plot:
+        from plots import plot_training
+
+        plot_training(rows, args.plot)
+        print(f"plot: {args.plot}")
 
 
 if __name__ == "__main__":
