@@ -204,6 +204,22 @@ def test_a_blacklisted_host_gets_no_replacement(tmp_path):
     _check_params(params, _reference(5))
 
 
+def run_discovery_job(tmp_path: Path, first: str, then: str, out_pt: Path,
+                      np_args: list[str]) -> tuple[int, str, str]:
+    """lccrun with a discovery script printing ``first``; at step 4 rank 0 makes it print
+    ``then``. Returns (exit code, stdout, stderr) of the job."""
+    hosts_file = tmp_path / "hosts.txt"
+    hosts_file.write_text(f"{first}\n")
+    script = tmp_path / "discover.sh"
+    script.write_text(f"#!/bin/sh\ncat {hosts_file}\n")
+    script.chmod(0o755)
+    proc, _ = _lccrun([*np_args, "--elastic-timeout", "120",
+                       "--host-discovery-script", str(script), "--host-discovery-period",
+                       "0.3", sys.executable, str(WORKER), str(out_pt), "-1", "0", "4", then],
+                      {**_lccrun_env(), "LCC_TEST_HOSTS_FILE": str(hosts_file)})
+    return _finish(proc, 400)
+
+
 @needs_lccrun
 @pytest.mark.timeout(480)
 def test_a_host_added_by_the_discovery_script_grows_the_job(tmp_path):
@@ -212,17 +228,9 @@ def test_a_host_added_by_the_discovery_script_grows_the_job(tmp_path):
     HostsUpdatedInterrupt at the same commit, one process is started and joins, and training
     goes on on 3 ranks from that commit (no rollback). The reference replays 2 ranks up to
     the commit the job reported, then 3."""
-    hosts_file = tmp_path / "hosts.txt"
-    hosts_file.write_text("localhost:2\n")
-    script = tmp_path / "discover.sh"
-    script.write_text(f"#!/bin/sh\ncat {hosts_file}\n")
-    script.chmod(0o755)
     out_pt = tmp_path / "params.pt"
-    proc, _ = _lccrun(["--min-np", "2", "--max-np", "3", "--elastic-timeout", "120",
-                       "--host-discovery-script", str(script), "--host-discovery-period",
-                       "0.3", sys.executable, str(WORKER), str(out_pt), "-1", "0", "4",
-                       "localhost:3"], {**_lccrun_env(), "LCC_TEST_HOSTS_FILE": str(hosts_file)})
-    rc, out, err = _finish(proc, 400)
+    rc, out, err = run_discovery_job(tmp_path, "localhost:2", "localhost:3", out_pt,
+                                     ["--min-np", "2", "--max-np", "3"])
     assert rc == 0, f"{out[-3000:]}\n{err[-5000:]}"
     assert "lccrun: elastic: hosts changed (localhost 2->3 slots)" in err, err
     assert "lccrun: elastic: joined rank 2 (launch numbering); 3 ranks continue" in err, err

@@ -7,28 +7,19 @@ reported, then 2 (the helpers of tests/parallel/test_elastic.py). Before the fix
 from __future__ import annotations
 
 import re
-import sys
 
 import pytest
 
-from tests.parallel.test_elastic import COMMIT, WORKER, _check_params, _replay
-from tests.parallel.test_reliability import _finish, _lccrun, _lccrun_env, needs_lccrun
+from tests.parallel.test_elastic import COMMIT, _check_params, _replay, run_discovery_job
+from tests.parallel.test_reliability import needs_lccrun
 
 
 @needs_lccrun
 @pytest.mark.timeout(480)
 def test_a_host_whose_slots_go_down_loses_the_ranks_beyond_them(tmp_path):
-    hosts_file = tmp_path / "hosts.txt"
-    hosts_file.write_text("localhost:3\n")
-    script = tmp_path / "discover.sh"
-    script.write_text(f"#!/bin/sh\ncat {hosts_file}\n")
-    script.chmod(0o755)
     out_pt = tmp_path / "params.pt"
-    proc, _ = _lccrun(["-np", "3", "--min-np", "2", "--elastic-timeout", "120",
-                       "--host-discovery-script", str(script), "--host-discovery-period",
-                       "0.3", sys.executable, str(WORKER), str(out_pt), "-1", "0", "4",
-                       "localhost:2"], {**_lccrun_env(), "LCC_TEST_HOSTS_FILE": str(hosts_file)})
-    rc, out, err = _finish(proc, 400)
+    rc, out, err = run_discovery_job(tmp_path, "localhost:3", "localhost:2", out_pt,
+                                     ["-np", "3", "--min-np", "2"])
     assert rc == 0, f"{out[-3000:]}\n{err[-5000:]}"
     assert "lccrun: elastic: hosts changed (localhost 3->2 slots)" in err, err
     assert "lccrun: elastic: removed (host left) rank 2 (launch numbering); 2 ranks continue" \
