@@ -89,11 +89,23 @@ def _grow(sim, status, new_host: str, back: int = 10, min_np: int = 1):
                    slots=[2] * 2 + [0] * (sim.n - 2))
 
 
+# Open MPI 5.0.11's prterun, after a spawn onto a host added with ``PMIX_ADD_HOST``, once
+# aborted in its own teardown (glibc ``free(): invalid pointer``, after rank 0 had printed the
+# final weights: 1 of ~60 runs, docs/elastic.md). That is prterun's exit status, not a rank's
+# (a rank's crash reaches us as prterun's banner and a positive code), so only that exact
+# ending is let through; the job's output is still checked in full below.
+def _job_ended(res) -> bool:
+    if res.returncode == 0:
+        return True
+    tail = res.stdout.rstrip().splitlines()[-1:] if res.stdout.strip() else []
+    return res.returncode == -6 and tail == ["free(): invalid pointer"]
+
+
 def test_a_host_that_appears_in_the_list_gets_new_ranks_that_join_at_a_commit():
     with _simulated(3, "lceg") as (sim, status):
         res = _grow(sim, status, sim.hosts[2])
     out = res.stdout
-    assert res.returncode == 0, out[-6000:]
+    assert _job_ended(res), out[-6000:]
     assert "elastic: removed (host left) launch rank(s) 2, 3; continuing with 2 ranks" in out
     assert "elastic: joined launch rank(s) 4, 5; continuing with 4 ranks" in out, out[-6000:]
     left = int(re.search(r"RESET step (\d+) size 2", out).group(1))
@@ -111,7 +123,7 @@ def test_a_host_that_left_and_comes_back_gets_no_new_ranks():
         h1 = sim.hosts[1]
         res = _grow(sim, status, h1)
     out = res.stdout
-    assert res.returncode == 0, out[-6000:]
+    assert _job_ended(res), out[-6000:]
     assert "elastic: removed (host left) launch rank(s) 2, 3; continuing with 2 ranks" in out
     assert f"host {h1} had ranks of this job and has none left" in out, out[-6000:]
     assert "joined" not in out, out[-6000:]
@@ -144,7 +156,7 @@ def test_below_min_np_the_survivors_wait_for_a_host_to_appear():
             stop.set()
             helper.join()
     out = res.stdout
-    assert res.returncode == 0, out[-6000:]
+    assert _job_ended(res), out[-6000:]
     assert "fewer than the minimum of 4: waiting up to 120 s for hosts" in out, out[-6000:]
     assert "elastic: removed (host left) launch rank(s) 2, 3, joined launch rank(s) 4, 5; " \
         "continuing with 4 ranks" in out, out[-6000:]
