@@ -104,6 +104,35 @@ def test_non_contiguous_tensor_is_staged_and_copied_back():
     assert torch.equal(t, torch.arange(12.0).reshape(3, 4).t() * 2)
 
 
+def _vm_flags(addr: int) -> list[str]:
+    """The VmFlags of the mapping of this process that holds ``addr`` (Linux smaps)."""
+    flags, inside = None, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and ":" not in head:
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            inside = lo <= addr < hi
+        elif inside and line.startswith("VmFlags:"):
+            flags = line.split()[1:]
+    assert flags is not None, hex(addr)
+    return flags
+
+
+@pytest.mark.skipif(not Path("/sys/kernel/mm/transparent_hugepage").exists(),
+                    reason="no transparent huge pages (Linux only)")
+def test_large_fresh_results_ask_for_huge_pages_small_ones_do_not():
+    """A fresh out-of-place result of 4 MB or more is advised as huge-page memory before it is
+    written (``hg`` in its mapping's VmFlags), as NumPy does for its arrays: torch.empty alone
+    is not (faulting 64 MB in 4 KB pages cost 3x the allreduce, docs/memory.md)."""
+    big = torch.ones(16 << 20)                                 # 64 MB input
+    out, arr = _tensor.result_like(big)
+    assert arr.__array_interface__["data"][0] == out.data_ptr()
+    assert "hg" in _vm_flags(out.data_ptr() + (out.numel() * 4) // 2)
+    assert "hg" not in _vm_flags(big.data_ptr() + (big.numel() * 4) // 2)   # torch's own
+    small = _tensor.empty_host((1024,), torch.float32)
+    assert small.shape == (1024,) and small.dtype == torch.float32
+
+
 def test_zero_size_and_scalar_tensors():
     for shape in [(0,), (2, 0), ()]:
         s = _tensor.stage(torch.empty(shape), "test")
