@@ -575,7 +575,12 @@ def launch(args: argparse.Namespace, extra: list[str], np_: int,
     env = dict(os.environ)
     env.update(env_extra or {})
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
-    env.setdefault("OMPI_MCA_mpi_yield_when_idle", "1")
+    # How an MPI wait idles is lightcc's own choice (LCC_MPI_IDLE_SLEEP_US, auto: Open MPI's
+    # spinning wait for ranks on one machine), as under lccrun. This used to force
+    # mpi_yield_when_idle=1 on every job, which users' jobs do not get: with any other
+    # runnable thread on the machine each idle turn of MPI's progress loop handed the core
+    # away, and ResNet-50's 97 MB allreduce + SGD step took 340-480 ms instead of 90-150 ms
+    # (2 ranks, one machine, background work at nice 19; measured 2026-11-29).
     env["PYTHONUNBUFFERED"] = "1"
     if args.netns:
         from tests.netns.simhosts import SimHosts, unavailable_reason
