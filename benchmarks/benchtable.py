@@ -16,8 +16,9 @@ ENGINE_CONFIGS = ("lightcc", "ddp-lcc", "cross_barrier")
 
 
 def split(config: str) -> tuple[str, str, float | None]:
-    """``framework[:option][@bucket_mb]`` -> (framework, option, bucket MB or None)."""
-    base, _, bucket = config.partition("@")
+    """``framework[:option][@bucket_mb][+observe]`` -> (framework, option, bucket MB or None)
+    (``+watch``/``+bare``: what a lightcc column observes, training.py)."""
+    base, _, bucket = config.partition("+")[0].partition("@")
     framework, _, option = base.partition(":")
     return framework, option, float(bucket) if bucket else None
 

@@ -53,6 +53,16 @@ rank printed for each column is that column's alone (in one shared job it is the
 column started, earlier columns' live memory included). With ``--cpu`` the table adds the
 lightcc engine thread's share of one core during the timed steps (rank 0).
 
+A lightcc or cross_barrier column may end in ``+watch`` or ``+bare`` (issue 38's cost target:
+what watching a job costs): ``+watch`` turns on everything a user watches with, as
+``lccrun --status 1`` and a TensorBoard logger would: the rank's status reporter (every 1 s, to
+a listener in the same process standing in for lccrun), ``lightcc.torch.metrics_writer`` called
+every step (a writer that drops the scalars, so TensorBoard's own cost is not counted) and the
+torch.profiler range sites installed (no profiler recording); ``+bare`` turns off what is on by
+default: the engine's metrics listener and the range sites. The plain column is the library's
+default (listener and range sites, nothing else). ``--configs lightcc+bare,lightcc+watch
+--baseline lightcc+bare`` gives the cost as a ratio, alternated in one run.
+
 A DDP column may end in ``@MB``: its ``bucket_cap_mb`` (``ddp@4``, ``ddp:fp16@1``);
 ``--ddp-buckets 1,2,4,8`` adds those for ``ddp`` (and ``ddp:fp16`` when it runs), and the table
 adds each lightcc column's ratio to the best of them and DDP's default 25 MB ("best ddp"),
@@ -150,6 +160,8 @@ class Worker:
         self._ddp_ready = False
         self._lcc_group = None
         self._keep: list = []   # DDP objects: freeing a Reducer can deadlock with gloo threads
+        self._status_stop = None   # ends the +watch column's status reporter
+        self._sink: str | None = None
 
     # -- frameworks -------------------------------------------------------------------------
     def lightcc(self):
@@ -176,6 +188,61 @@ class Worker:
             os.environ.setdefault("MASTER_PORT", str(self.args.port))
             dist.init_process_group("gloo", rank=self.rank, world_size=self.world)
             self._ddp_ready = True
+
+    def observe(self, mode: str):
+        """Set what a lightcc column observes (``+watch``, ``+bare``, "": the default again;
+        module docstring); returns the per-step metrics logger of ``+watch``, else None."""
+        import threading
+
+        from lightcc.common.api import state
+        from lightcc.common.observability import metrics, ranges, reporter
+        from lightcc.torch import profiler_ranges
+
+        lcc = self.lightcc()
+        eng = state._get()
+        m = metrics.attach(eng)
+        if self._status_stop is not None:
+            self._status_stop.set()      # the reporter's next collect() ends its thread
+            self._status_stop = None
+        if mode == "bare":
+            if m.on_event in eng.listeners:
+                eng.listeners.remove(m.on_event)
+            ranges.install(None, None, lambda: False)
+            return None
+        if m.on_event not in eng.listeners:
+            eng.listeners.append(m.on_event)
+        profiler_ranges.install()
+        if mode != "watch":
+            return None
+        stop = self._status_stop = threading.Event()
+
+        def collect() -> dict:
+            if stop.is_set():
+                raise RuntimeError("the column ended")
+            return metrics.collect(eng, state.stats())
+
+        reporter.start(self.rank, collect, {reporter.STATUS_ENV: "1", reporter.TOKEN_ENV: "b",
+                                            reporter.ADDR_ENV: self._status_sink()})
+        return lcc.metrics_writer(_DroppingWriter())
+
+    def _status_sink(self) -> str:
+        """``addr:port`` of a listener that reads and drops status reports (lccrun's part)."""
+        import socket
+        import threading
+
+        if self._sink is None:
+            srv = socket.create_server(("127.0.0.1", 0))
+
+            def serve() -> None:
+                while True:
+                    conn, _ = srv.accept()
+                    with conn:
+                        while conn.recv(65536):
+                            pass
+
+            threading.Thread(target=serve, name="status-sink", daemon=True).start()
+            self._sink = f"127.0.0.1:{srv.getsockname()[1]}"
+        return self._sink
 
     def lightcc_group(self):
         """A torch.distributed group of all ranks on the ``lightcc`` backend (made once)."""
@@ -341,7 +408,13 @@ class Worker:
 
         gc.collect()
         _reset_peak_rss()
+        config, _, mode = config.partition("+")
+        if mode not in ("", "watch", "bare") or (mode and not config.startswith(
+                ("lightcc", "cross_barrier"))):
+            raise SystemExit(f"{config}+{mode}: only lightcc and cross_barrier columns take "
+                             f"+watch or +bare")
         model, opt = self.make(model_name, config)
+        log = self.observe(mode) if mode else None
         data = self.batches(model_name)
         args = self.args
         tid = _engine_thread_id() if config.startswith(benchtable.ENGINE_CONFIGS) else None
@@ -356,9 +429,13 @@ class Worker:
             opt.zero_grad(set_to_none=True)
             self.loss(model(x), y).backward()
             opt.step()
+            if log is not None:
+                log(i)
             if i >= args.warmup:
                 times.append(time.perf_counter() - t0)
         share = (_thread_cpu_seconds(tid) - cpu0) / max(time.perf_counter() - wall0, 1e-9)
+        if mode:
+            self.observe("")            # the library's default again for the next column
         if hasattr(opt, "synchronize"):
             opt.synchronize()       # cross_barrier: apply the last step's pending updates
         self.barrier()
@@ -455,6 +532,13 @@ def _peak_rss_mb() -> float:
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+class _DroppingWriter:
+    """A SummaryWriter stand-in that drops the scalars (the +watch column's logger)."""
+
+    def add_scalar(self, tag: str, value: float, step: int) -> None:
+        pass
 
 
 def _sgd(model):

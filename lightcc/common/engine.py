@@ -49,7 +49,7 @@ from .execution.batches import BatchExecutor
 from .execution.group import ExecSettings, Group
 from .execution.process_sets import ProcessSets
 from .handle import Handle
-from .observability import flight
+from .observability import flight, ranges
 from .status import EngineStatus
 from .submissions import Submissions
 from .topology import build, overlap_in_background
@@ -337,10 +337,13 @@ class Engine:
             self._drv_sleeping = True          # submit() wakes this poll from here on
             if subs.queue or self.status.stopping or (handle is not None and handle.is_done):
                 timeout = 0.0
+        # torch.profiler's lightcc::negotiate: the waiting thread blocks for the agreement
+        tok = ranges.enter("lightcc::negotiate") if timeout > 0.0 else None
         try:
             frames = self._plane.poll(timeout)
         finally:
             self._drv_sleeping = False
+            ranges.leave(tok)
         self._receive(frames)
         return 0.0
 

@@ -114,21 +114,26 @@ def run(launch: Launch, verbose: bool = False, spec: object = None) -> int:
 
 def merge_timeline(path: str) -> None:
     """``--timeline-filename``: the ranks' files merged into ``path`` (one Perfetto file, a
-    process track per rank) and the per-rank table printed (docs/timeline.md)."""
+    process track per rank), the per-rank table and, when the torch layer marked training steps,
+the per-step table printed (docs/timeline.md)."""
     from ..common.observability import timeline_merge
 
     try:
         done = timeline_merge.merge(path)
         if not done["ranks"]:
             return
-        rows = timeline_merge.summary(timeline_merge.read_events(path))
+        events = timeline_merge.read_events(path)
+        rows, steps = timeline_merge.summary(events), timeline_merge.steps(events)
     except OSError as exc:
         print(f"lccrun: timeline {path}: cannot merge the ranks' files: {exc}", file=sys.stderr)
         return
     cut = f", {done['dropped']} events left out (cap)" if done["dropped"] else ""
     print(f"lccrun: timeline {path}: {done['ranks']} rank files merged, {done['events']} "
           f"events{cut}", file=sys.stderr)
-    for line in timeline_merge.table(rows):
+    lines = timeline_merge.table(rows)
+    if steps:        # training steps marked by the torch layer (docs/timeline.md)
+        lines += timeline_merge.step_table(steps)
+    for line in lines:
         print(f"lccrun: {line}", file=sys.stderr)
 
 

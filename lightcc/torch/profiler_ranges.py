@@ -1,4 +1,4 @@
-"""Connect lightcc's engine phases (``lightcc::pack``, ``lightcc::wire``, ...) to
+"""Connect lightcc's engine phases (``lightcc::negotiate``, ``lightcc::pack``, ...) to
 ``torch.profiler``: record_function ranges opened only while a profiler records
 (:mod:`lightcc.common.observability.ranges`)."""
 from __future__ import annotations

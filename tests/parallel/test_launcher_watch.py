@@ -148,3 +148,106 @@ def test_status_line_shows_steps_wire_and_the_ranks():
     assert 0 < rate < 50, last                               # a sleep of 20 ms per step
     assert "wire " in last and "exposed comm " in last and "%" in last, last
     assert "ranks in step" in last or "behind" in last, last
+
+
+STEPS_JOB = """
+import torch, lightcc.torch as hvd
+hvd.init()
+torch.manual_seed(0)
+m = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.ReLU(), torch.nn.Linear(512, 10))
+opt = hvd.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.01),
+                               named_parameters=m.named_parameters())
+hvd.broadcast_parameters(m.state_dict(), root_rank=0)
+x = torch.randn(32, 256)
+for step in range(6):
+    opt.zero_grad()
+    m(x).pow(2).mean().backward()
+    opt.step()
+hvd.shutdown()
+"""
+WIRE = {"ALLREDUCE", "COMPRESSED_ALLREDUCE", "ALLGATHER", "BROADCAST", "ALLTOALL",
+        "REDUCESCATTER", "DIRECT_ALLREDUCE"}
+
+
+def _covered_ms(spans, lo, hi):
+    """Wall time (ms) inside [lo, hi] covered by any of ``spans`` (µs): a sweep over the
+    endpoints counting open spans (written apart from timeline_merge's sort-and-extend)."""
+    points = []
+    for a, b in spans:
+        a, b = max(a, lo), min(b, hi)
+        if b > a:
+            points += [(a, 1), (b, -1)]
+    covered, depth, last = 0.0, 0, None
+    for t, d in sorted(points):
+        if depth:
+            covered += t - last
+        depth, last = depth + d, t
+    return covered / 1000.0
+
+
+def _expected_steps(events):
+    """Per step and rank, straight from the event file."""
+    tracks = {(e["pid"], e["tid"]): e["args"]["name"] for e in events
+              if e.get("name") == "thread_name"}
+    spans = [e for e in events if e.get("ph") == "X"]
+    marks = {}
+    for e in spans:
+        if tracks[(e["pid"], e["tid"])] == "step":
+            marks.setdefault(e["args"]["step"], {}).setdefault(e["pid"], {})[e["name"]] = e
+    want = {}
+    for step, ranks in marks.items():
+        if any("STEP" not in m for m in ranks.values()) or len(ranks) != 2:
+            continue
+        per = {}
+        for rank, m in ranks.items():
+            lo = m["STEP"]["ts"]
+            hi = lo + m["STEP"]["dur"]
+            sync = m["SYNCHRONIZE"]["ts"]
+            mine = [e for e in spans if e["pid"] == rank]
+            neg = [(e["ts"], e["ts"] + e["dur"]) for e in mine if e["name"] == "NEGOTIATE"]
+            wire = [(e["ts"], e["ts"] + e["dur"]) for e in mine if e["name"] in WIRE
+                    and not tracks[(rank, e["tid"])].startswith("link:")]
+            first = min(e["ts"] for e in mine if e["name"] == "QUEUE" and lo < e["ts"] <= sync)
+            per[rank] = {"step": (hi - lo) / 1000, "to_grad": (first - lo) / 1000,
+                         "backward": (sync - first) / 1000, "neg": _covered_ms(neg, lo, hi),
+                         "wire": _covered_ms(wire, lo, hi), "exposed": (hi - sync) / 1000,
+                         "overlapped": _covered_ms(wire, first, sync)}
+        negs = sorted((per[r]["neg"], r) for r in per)
+        total = sum(p["wire"] for p in per.values())
+        want[step] = {
+            **{k: max(p[k] for p in per.values())
+               for k in ("step", "to_grad", "backward", "wire", "exposed")},
+            "neg_min": negs[0], "neg_max": negs[-1],
+            "overlap": None if total == 0 else
+            100 * sum(p["overlapped"] for p in per.values()) / total}
+    return want
+
+
+def test_timeline_filename_prints_a_row_per_training_step(tmp_path):
+    import json
+    import re
+
+    pytest.importorskip("torch")
+    path = tmp_path / "steps.json"
+    rc, out, err = finish(start_lccrun(["-np", "2", "--timeline-filename", str(path),
+                                        "python", "-c", STEPS_JOB]), timeout=240)
+    assert rc == 0, err
+    want = _expected_steps(json.loads(path.read_text()))
+    assert sorted(want) == [2, 3, 4, 5, 6], want       # the first step has no start mark
+    lines = [ln[len("lccrun: "):] for ln in err.splitlines() if ln.startswith("lccrun: ")]
+    head = next(i for i, ln in enumerate(lines) if ln.startswith("step  step ms"))
+    row = re.compile(r"\s*(\d+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+) \(rank (\d)\) / "
+                     r"([\d.]+) \(rank (\d)\)\s+([\d.]+)\s+([\d.]+)\s+(\d+|-)$")
+    got = [row.fullmatch(ln) for ln in lines[head + 1:head + 1 + len(want)]]
+    assert all(got), lines[head:]
+    assert [int(g[1]) for g in got] == sorted(want), lines[head:]
+    for g in got:
+        w = want[int(g[1])]
+        for col, key in zip((2, 3, 4, 9, 10), ("step", "to_grad", "backward", "wire", "exposed")):
+            assert abs(float(g[col]) - w[key]) <= 0.051, (key, g[0], w)
+        assert abs(float(g[5]) - w["neg_min"][0]) <= 0.051, (g[0], w)
+        assert abs(float(g[7]) - w["neg_max"][0]) <= 0.051, (g[0], w)
+        if w["neg_min"][0] != w["neg_max"][0]:
+            assert (int(g[6]), int(g[8])) == (w["neg_min"][1], w["neg_max"][1]), (g[0], w)
+        assert (g[11] == "-") if w["overlap"] is None else \
+            abs(int(g[11]) - w["overlap"]) <= 0.5 + 1e-9, (g[0], w)

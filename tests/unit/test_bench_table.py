@@ -26,6 +26,8 @@ def test_split_reads_framework_option_and_bucket():
     assert bt.split("ddp:fp16@2") == ("ddp", "fp16", 2.0)
     assert bt.split("ddp") == ("ddp", "", None)
     assert bt.split("cross_barrier:fp8") == ("cross_barrier", "fp8", None)
+    assert bt.split("lightcc:fp16+watch") == ("lightcc", "fp16", None)   # training.py's switch
+    assert bt.split("lightcc+bare") == ("lightcc", "", None)
 
 
 def test_ratios_pair_rounds_and_best_ddp_is_the_best_median():

@@ -64,3 +64,10 @@ def test_training_plot_bars_are_the_median_over_rounds(tmp_path):
     drawn = plots.plot_training(rows, str(out), bounds={"mlp": {"barrier bound": 400.0}})
     assert drawn == {"mlp": {"lightcc": 200.0, "ddp": 150.0}}
     assert _png(out).shape[:2] == (500, 800)
+
+
+@pytest.mark.parametrize("name", ["allreduce-busbw.png", "training-throughput.png"])
+def test_the_plots_in_the_docs_are_the_commands_pngs_and_are_shown(name):
+    repo = Path(__file__).resolve().parents[2]
+    assert _png(repo / "docs" / "img" / name).shape[:2] == (500, 800)   # as plots.py draws
+    assert f"](img/{name})" in (repo / "docs" / "benchmarks.md").read_text()

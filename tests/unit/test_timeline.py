@@ -115,3 +115,28 @@ def test_start_stop_rank_files(tmp_path: Path) -> None:
     assert json.loads(Path(path + ".rank1").read_text())[0]["args"] == {"name": "rank 1"}
     with pytest.raises(ValueError):
         timeline.start(e0, "")
+
+
+def test_training_steps_are_marked_only_while_a_timeline_is_written(tmp_path: Path) -> None:
+    timeline.mark_step(1, 0.01)                      # nothing active: nothing happens
+    path = str(tmp_path / "t.json")
+    eng = _FakeEngine(0)
+    timeline.start(eng, path)
+    t0 = time.perf_counter()
+    timeline.mark_step(1, 0.002)
+    time.sleep(0.01)                                 # step 2 is longer than its wait
+    timeline.mark_step(2, 0.001)
+    t1 = time.perf_counter()
+    timeline.stop(eng)
+    ev = _events(Path(path))
+    track = next(e["tid"] for e in ev if e["name"] == "thread_name" and
+                 e["args"]["name"] == "step")
+    marks = [(e["name"], e["args"]["step"], e) for e in ev if e.get("tid") == track
+             and e["ph"] == "X"]
+    assert [(n, s) for n, s, _ in marks] == [("SYNCHRONIZE", 1), ("STEP", 2), ("SYNCHRONIZE", 2)]
+    sync1, step2, sync2 = (e for _, _, e in marks)
+    assert sync1["dur"] == pytest.approx(2000, abs=1) and sync2["dur"] == pytest.approx(1000, abs=1)
+    # step 2 runs from step 1's end to its own end, which is also its SYNCHRONIZE's end
+    assert step2["ts"] == pytest.approx(sync1["ts"] + sync1["dur"], abs=0.01)
+    assert step2["ts"] + step2["dur"] == pytest.approx(sync2["ts"] + sync2["dur"], abs=0.01)
+    assert step2["dur"] <= (t1 - t0) * 1e6 + 1

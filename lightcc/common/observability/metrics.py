@@ -19,6 +19,8 @@ import time
 import weakref
 from typing import Any
 
+from .timeline import mark_step
+
 WINDOW_S = 10.0         # rates are averaged over about this many seconds
 SAMPLE_EVERY_S = 0.5    # the engine thread keeps one sample of the counters this often
 
@@ -62,8 +64,10 @@ STEPS = Steps()
 
 
 def note_step(waited_s: float) -> None:
-    """A training step finished waiting for its reductions after ``waited_s`` seconds."""
+    """A training step finished waiting for its reductions after ``waited_s`` seconds (also
+    marked in the timeline when one is written)."""
     STEPS.note(waited_s)
+    mark_step(STEPS.count, waited_s)
 
 
 class Metrics:

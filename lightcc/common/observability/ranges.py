@@ -5,8 +5,10 @@ The core does not import torch: the torch layer installs two functions with :fun
 phase site calls :func:`enter` / :func:`leave`; with nothing installed, or no profiler
 running, that costs one call and one check (about 0.2 µs), a few times per bucket.
 
-Ranges are opened on the engine's background thread, so a profiler started on the training
-thread records them only when it profiles every thread (torch:
+Sites: ``lightcc::bucket`` (execution/run.py), ``pack``/``wire``/``compress+wire``/``unpack``
+(execution/host.py), ``negotiate`` (engine.py: a waiting thread blocked for the agreement).
+Bucket ranges are mostly opened on the engine's background thread, so a profiler started on
+the training thread records them only when it profiles every thread (torch:
 ``experimental_config=torch._C._profiler._ExperimentalConfig(profile_all_threads=True)``;
 docs/timeline.md, "lightcc inside torch.profiler").
 """

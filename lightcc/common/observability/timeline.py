@@ -32,12 +32,12 @@ DEFAULT_MAX_PENDING = 200_000   # events held in memory before new ones are drop
 FLUSH_INTERVAL_S = 0.05         # how often the writer wakes up to drain the queue
 WRITE_CHUNK = 64                # events encoded between two GIL hand-backs
 
-# tracks sort in this order in the viewer: engine, links, buckets, tensors
+# tracks sort in this order in the viewer: engine and step, links, buckets, tensors
 _SORT_ENGINE, _SORT_LINK, _SORT_BUCKET, _SORT_TENSOR = 0, 1, 2, 3
 
 
 def _sort_key(track: str) -> int:
-    if track == "engine":
+    if track in ("engine", "step"):
         return _SORT_ENGINE
     if track.startswith("link:"):
         return _SORT_LINK
@@ -93,6 +93,7 @@ class Timeline(Tracer):
         self._write_lines([self._meta("process_name", 0, name=f"rank {rank}"),
                            self._meta("process_sort_index", 0, sort_index=rank)])
         self._file.flush()
+        self._step_end: float | None = None     # previous training step's end (mark_step)
         self._stop = threading.Event()
         self._closed = False
         self._thread = threading.Thread(target=self._writer, name="lightcc-timeline",
@@ -113,6 +114,16 @@ class Timeline(Tracer):
             self.dropped += 1
             return
         self._pending.append(("i", track, name, when, when, args))
+
+    def step(self, step: int, waited_from: float, end: float) -> None:
+        """A training step ended at ``end`` after waiting for its reductions since
+        ``waited_from`` (perf_counter seconds): a ``SYNCHRONIZE`` span on the ``step`` track and,
+        from the second step on, a ``STEP`` span from the previous step's end (the first step
+        has no start boundary). Both carry ``step`` (the framework layer's count)."""
+        if self._step_end is not None:
+            self.span("step", "STEP", self._step_end, end, step=step)
+        self.span("step", "SYNCHRONIZE", waited_from, end, step=step)
+        self._step_end = end
 
     def close(self) -> None:
         """Write what is queued, close the JSON array and the file (idempotent)."""
@@ -223,6 +234,16 @@ def stop(engine: Any | None = None) -> None:
             engine.set_tracer(NULL)
     if tl is not None:
         tl.close()
+
+
+def mark_step(step: int, waited_s: float) -> None:
+    """The framework layer finished training step ``step``, which waited ``waited_s`` seconds
+    for its reductions after backward: marked in this rank's timeline (the per-step table of
+    ``lccrun --timeline-filename``); one global read when no timeline is written."""
+    tl = _active
+    if tl is not None:
+        end = time.perf_counter()
+        tl.step(step, end - waited_s, end)
 
 
 def active() -> Timeline | None:

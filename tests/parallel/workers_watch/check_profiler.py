@@ -1,6 +1,7 @@
 """Worker: two training steps of a small model with DistributedOptimizer under torch.profiler
 (profiling every thread, as docs/timeline.md says); the engine's phases must appear as ranges
-in the profiler's events and in its exported Chrome trace. Prints ``OK rank N``."""
+in the profiler's events and in its exported Chrome trace. Prints ``OK rank N`` and how many
+``lightcc::negotiate`` ranges it recorded."""
 from __future__ import annotations
 
 import json
@@ -35,6 +36,16 @@ prof.export_chrome_trace(path)
 with open(path) as fh:
     exported = {e.get("name") for e in json.load(fh)["traceEvents"]}
 assert want <= exported, sorted(n for n in exported if n and "lightcc" in n)
+# a thread waiting in step() for the agreement: at least one rank blocks for it (the test
+# counts the ranks); in the exported trace too, and never around a bucket (it is a wait)
+negotiate = [e for e in prof.events() if e.name == "lightcc::negotiate"]
+assert ("lightcc::negotiate" in exported) == bool(negotiate), exported
+buckets = [e for e in prof.events() if e.name == "lightcc::bucket"]
+for n in negotiate:
+    inside = [b for b in buckets if b.thread == n.thread and
+              n.time_range.start <= b.time_range.start <= n.time_range.end]
+    assert not inside, (n, inside)
+print(f"NEGOTIATE rank {hvd.rank()}: {len(negotiate)}", flush=True)
 # without a profiler: no range is opened (the probe says so)
 from lightcc.common.observability import ranges
 assert ranges.enter("lightcc::x") is None
