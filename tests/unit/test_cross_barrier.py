@@ -7,7 +7,7 @@ torch = pytest.importorskip("torch")
 
 from lightcc.common.exceptions import InvalidArgumentError  # noqa: E402
 from lightcc.torch import Compression, DistributedOptimizer  # noqa: E402
-from lightcc.torch.cross_barrier import check_optimizer  # noqa: E402
+from lightcc.torch.optimizer.cross_barrier import check_optimizer  # noqa: E402
 
 
 NONE = Compression.none   # (the default reads LCC_COMPRESSION, which needs init())
@@ -61,10 +61,10 @@ def test_gradients_are_cut_into_views_only_for_elementwise_compression(spec, num
 
     import numpy as np
 
-    from lightcc.torch.distributed_optimizer import _DistributedOptimizer
+    from lightcc.torch.optimizer.reducer import GradientReducer
     arr = np.arange(numel, dtype=np.float32).reshape(-1, 5)
-    got = _DistributedOptimizer._pieces(
-        types.SimpleNamespace(_partition_bytes=limit, _spec=spec), arr)
+    got = GradientReducer.pieces(
+        types.SimpleNamespace(partition_bytes=limit, spec=spec), arr)
     assert len(got) == pieces
     assert all(np.shares_memory(g, arr) for g in got)
     assert all(g.nbytes <= limit for g in got) or pieces == 1
