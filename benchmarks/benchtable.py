@@ -160,7 +160,7 @@ def bounds_table(rows: list[dict], configs: list[str]) -> str:
     for model, ph in ((r["model"], r["phases"]) for r in rows if "phases" in r):
         for c in configs:
             framework, option, _ = split(c)
-            if framework not in ("lightcc", "cross_barrier", "ddp", "ddp-lcc"):
+            if framework not in ("lightcc", "lightcc-tcp", "cross_barrier", "ddp", "ddp-lcc"):
                 continue
             vals = [r["img_s"] for r in _by_round(rows, model, c).values()]
             w = wire_seconds(ph, option)

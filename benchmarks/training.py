@@ -15,6 +15,10 @@ Columns (``--configs``, comma separated):
 - ``lightcc`` / ``lightcc:fp16`` / ``:bf16`` / ``:fp8`` / ``:topk`` / ``:auto`` /
   ``:auto-lossy``: ``lightcc.torch``'s ``DistributedOptimizer`` with that compressor
   (``auto-lossy``: ``Compression.auto(accuracy="lossy")``);
+- ``lightcc-tcp`` / ``lightcc-tcp:fp16`` / ...: the same on lightcc's MPI-free plane (the
+  transport lightcc runs under torchrun or srun: store rendezvous and lightcc's TCP links,
+  ``LCC_TRANSPORT=tcp`` with torchrun's variables set from MPI's ranks); MPI stays in the
+  process only for this benchmark's own barriers. Its own job per (round, column);
 - ``cross_barrier`` / ``cross_barrier:fp16`` / ...: the same with ``cross_barrier=True``
   (docs/cross-barrier.md): each module's update is applied just before its next forward;
 - ``ddp`` / ``ddp:fp16`` / ``ddp:bf16``: ``DistributedDataParallel`` on gloo, plain or with
@@ -152,6 +156,14 @@ class Worker:
         if self._lcc is None:
             import lightcc.torch as lcc
 
+            if os.environ.get("LCC_TRANSPORT") == "tcp":
+                # a ``lightcc-tcp`` column: lightcc starts its MPI-free plane from torchrun's
+                # variables, as under torchrun (MPI stays for this benchmark's own barriers)
+                os.environ.update(RANK=str(self.rank), WORLD_SIZE=str(self.world),
+                                  LOCAL_RANK=str(self.comm.Split_type(
+                                      _shared_type()).Get_rank()),
+                                  MASTER_ADDR=os.environ.get("LCC_BENCH_MASTER", "127.0.0.1"),
+                                  MASTER_PORT=str(self.args.port + 1))
             lcc.init()
             self._lcc = lcc
         return self._lcc
@@ -186,7 +198,7 @@ class Worker:
 
         framework, option, bucket = split(config)
         model = self.build(model_name)
-        if framework in ("lightcc", "cross_barrier"):
+        if framework in ("lightcc", "cross_barrier", "lightcc-tcp"):
             lcc = self.lightcc()
             opt = _sgd(model)
             lcc.broadcast_parameters(model.state_dict(), root_rank=0)
@@ -466,6 +478,12 @@ class _Synced:
         self.comm.Barrier()
 
 
+def _shared_type():
+    from mpi4py import MPI
+
+    return MPI.COMM_TYPE_SHARED
+
+
 def _max():
     from mpi4py import MPI
 
@@ -548,14 +566,21 @@ def _mpirun_local(np_: int) -> list[str]:
     return mpirun_base(np_)
 
 
-def launch(args: argparse.Namespace, extra: list[str], np_: int) -> list[dict]:
+def launch(args: argparse.Namespace, extra: list[str], np_: int,
+           env_extra: dict | None = None) -> list[dict]:
     """Run this file as a worker on ``np_`` ranks (or across simulated hosts); parse rows."""
     port = args.port or _free_port()
     cmd_tail = [sys.executable, str(Path(__file__).resolve()), "--worker", *extra,
                 f"--port={port}"]
     env = dict(os.environ)
+    env.update(env_extra or {})
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
-    env.setdefault("OMPI_MCA_mpi_yield_when_idle", "1")
+    # How an MPI wait idles is lightcc's own choice (LCC_MPI_IDLE_SLEEP_US, auto: Open MPI's
+    # spinning wait for ranks on one machine), as under lccrun. This used to force
+    # mpi_yield_when_idle=1 on every job, which users' jobs do not get: with any other
+    # runnable thread on the machine each idle turn of MPI's progress loop handed the core
+    # away, and ResNet-50's 97 MB allreduce + SGD step took 340-480 ms instead of 90-150 ms
+    # (2 ranks, one machine, background work at nice 19; measured 2026-11-29).
     env["PYTHONUNBUFFERED"] = "1"
     if args.netns:
         from tests.netns.simhosts import SimHosts, unavailable_reason
@@ -703,8 +728,12 @@ def collect(args: argparse.Namespace, configs: list[str]) -> list[dict]:
               f"--device-f-ms={args.device_f_ms}", f"--device-b-ms={args.device_b_ms}",
               f"--image-size={args.image_size}", f"--seq-len={args.seq_len}"]
     models = args.models.split(",")
-    isolate = args.isolate == "yes" or (args.isolate == "auto" and
-                                        any(m in REAL_MODELS for m in models))
+    tcp = [c for c in configs if benchtable.split(c)[0] == "lightcc-tcp"]
+    if tcp and args.isolate == "no":
+        raise SystemExit(f"{tcp[0]} runs in a job of its own (its transport is chosen at "
+                         f"init): drop --isolate no")
+    isolate = args.isolate == "yes" or bool(tcp) or (args.isolate == "auto" and
+                                                     any(m in REAL_MODELS for m in models))
     if not isolate:
         return launch(args, common + [f"--models={args.models}", f"--configs={','.join(configs)}",
                                       f"--rounds={args.rounds}"], args.np_)
@@ -714,9 +743,10 @@ def collect(args: argparse.Namespace, configs: list[str]) -> list[dict]:
                                        "--job=phases"], args.np_)
         for rnd in range(args.rounds):
             for config in configs:
+                env = {"LCC_TRANSPORT": "tcp"} if config in tcp else None
                 rows += launch(args, common + [f"--models={model}", f"--configs={config}",
                                                "--rounds=1", "--job=runs",
-                                               f"--first-round={rnd}"], args.np_)
+                                               f"--first-round={rnd}"], args.np_, env)
     return rows
 
 
