@@ -70,3 +70,27 @@ def test_gradients_are_cut_into_views_only_for_elementwise_compression(spec, num
     assert all(g.nbytes <= limit for g in got) or pieces == 1
     np.testing.assert_array_equal(np.concatenate([g.reshape(-1) for g in got]),
                                   np.arange(numel, dtype=np.float32))
+
+
+def test_a_pending_gradient_says_what_it_knows_without_waiting():
+    """PendingGradient (the started reduction the optimizer keeps): ``completed()`` never
+    waits and is True only once every piece is done; ``wait_passive()`` is False (nothing
+    waited) where only a driving wait can finish it; ``params`` lists a group's members."""
+    import types
+
+    from lightcc.torch.optimizer.reducer import PendingGradient, Pieces
+
+    def handle(done, passive=None):
+        return types.SimpleNamespace(is_done=done, wait_passive=lambda: passive)
+
+    a, b = torch.zeros(1), torch.zeros(2)
+    assert PendingGradient(a, handle(True)).completed()
+    assert not PendingGradient(a, handle(False)).completed()
+    assert not PendingGradient(a, Pieces([handle(True), handle(False)])).completed()
+    assert PendingGradient(a, Pieces([handle(True), handle(True)])).completed()
+    assert not PendingGradient(a, lambda: None, sparse=True).completed()
+    assert not PendingGradient(a, lambda: None, sparse=True).wait_passive()
+    assert not PendingGradient(a, Pieces([handle(True), handle(False, False)])).wait_passive()
+    assert PendingGradient(a, Pieces([handle(True), handle(False, True)])).wait_passive()
+    assert PendingGradient((a, b), handle(True)).params == (a, b)
+    assert PendingGradient(a, handle(True)).params == (a,)

@@ -34,6 +34,13 @@ from .wrapper import WrappedOptimizer, parameter_names, split_groups
 _STATE_KEY = "lightcc_compression"     # compressor state inside state_dict()
 
 
+def _reducer_owned(name: str, doc: str) -> property:
+    """An attribute horovod.torch's optimizer has, kept by its :class:`GradientReducer`
+    (assignable, as in Horovod)."""
+    return property(lambda self: getattr(self.reducer, name),
+                    lambda self, value: setattr(self.reducer, name, value), doc=doc)
+
+
 class BarrierOptimizer(WrappedOptimizer):
     """See :func:`~.factory.DistributedOptimizer`. ``partition_bytes``: see
     :class:`~.reducer.GradientReducer` (0, the default: whole gradients)."""
@@ -64,22 +71,12 @@ class BarrierOptimizer(WrappedOptimizer):
         if self.process_set.included() and _api.size() > 1:
             self._register_hooks()
 
-    # ---- Horovod's attributes (the reducer owns them) -----------------------------------------
-    @property
-    def op(self) -> Any:
-        return self.reducer.op
-
-    @property
-    def gradient_predivide_factor(self) -> float:
-        return self.reducer.gradient_predivide_factor
-
-    @property
-    def sparse_as_dense(self) -> bool:
-        return self.reducer.sparse_as_dense
-
-    @property
-    def process_set(self) -> Any:
-        return self.reducer.process_set
+    # ---- Horovod's attributes, owned by the reducer -------------------------------------------
+    op = _reducer_owned("op", "The reduction (Average or Sum).")
+    gradient_predivide_factor = _reducer_owned("gradient_predivide_factor",
+                                               "Scale by 1/f before the sum, f/size after.")
+    sparse_as_dense = _reducer_owned("sparse_as_dense", "Reduce sparse gradients as dense.")
+    process_set = _reducer_owned("process_set", "The ranks the gradients are averaged over.")
 
     @property
     def _parameter_names(self) -> dict:
