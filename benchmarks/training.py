@@ -609,7 +609,7 @@ def engine_cost(args: argparse.Namespace) -> dict:
     for step in range(args.iters + args.warmup):
         t0, c0 = time.perf_counter(), time.process_time()
         for p in params:
-            opt._on_grad(p)          # what autograd's hook calls (registered only on > 1 rank)
+            opt.on_gradient(p)       # what autograd's hook calls (registered only on > 1 rank)
         opt.synchronize()
         if step >= args.warmup:
             per_step.append(time.perf_counter() - t0)

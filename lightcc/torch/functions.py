@@ -13,7 +13,7 @@ from ..common import api as _api
 from ..common.api import global_process_set
 from . import collectives as _ops
 from .objects import allgather_object, broadcast_object
-from .optimizer_setup import WrappedOptimizer
+from .optimizer.wrapper import WrappedOptimizer
 
 
 def broadcast_parameters(params: Any, root_rank: int,
@@ -93,7 +93,7 @@ def _init_state(optimizer: torch.optim.Optimizer, model: torch.nn.Module | None)
                 if isinstance(optimizer, torch.optim.SparseAdam) or id(p) in sparse:
                     p.grad = p.grad.to_sparse()
     # A DistributedOptimizer's own step() would allreduce: step the wrapped one instead.
-    inner = optimizer._opt if isinstance(optimizer, WrappedOptimizer) else optimizer
+    inner = optimizer.wrapped if isinstance(optimizer, WrappedOptimizer) else optimizer
     inner.step()
 
 

@@ -7,7 +7,7 @@ torch = pytest.importorskip("torch")
 
 from lightcc.common.exceptions import InvalidArgumentError  # noqa: E402
 from lightcc.torch import Compression, DistributedOptimizer  # noqa: E402
-from lightcc.torch.cross_barrier import check_optimizer  # noqa: E402
+from lightcc.torch.optimizer.cross_barrier import check_optimizer  # noqa: E402
 
 
 NONE = Compression.none   # (the default reads LCC_COMPRESSION, which needs init())
@@ -61,12 +61,36 @@ def test_gradients_are_cut_into_views_only_for_elementwise_compression(spec, num
 
     import numpy as np
 
-    from lightcc.torch.distributed_optimizer import _DistributedOptimizer
+    from lightcc.torch.optimizer.reducer import GradientReducer
     arr = np.arange(numel, dtype=np.float32).reshape(-1, 5)
-    got = _DistributedOptimizer._pieces(
-        types.SimpleNamespace(_partition_bytes=limit, _spec=spec), arr)
+    got = GradientReducer.pieces(
+        types.SimpleNamespace(partition_bytes=limit, spec=spec), arr)
     assert len(got) == pieces
     assert all(np.shares_memory(g, arr) for g in got)
     assert all(g.nbytes <= limit for g in got) or pieces == 1
     np.testing.assert_array_equal(np.concatenate([g.reshape(-1) for g in got]),
                                   np.arange(numel, dtype=np.float32))
+
+
+def test_a_pending_gradient_says_what_it_knows_without_waiting():
+    """PendingGradient (the started reduction the optimizer keeps): ``completed()`` never
+    waits and is True only once every piece is done; ``wait_passive()`` is False (nothing
+    waited) where only a driving wait can finish it; ``params`` lists a group's members."""
+    import types
+
+    from lightcc.torch.optimizer.reducer import PendingGradient, Pieces
+
+    def handle(done, passive=None):
+        return types.SimpleNamespace(is_done=done, wait_passive=lambda: passive)
+
+    a, b = torch.zeros(1), torch.zeros(2)
+    assert PendingGradient(a, handle(True)).completed()
+    assert not PendingGradient(a, handle(False)).completed()
+    assert not PendingGradient(a, Pieces([handle(True), handle(False)])).completed()
+    assert PendingGradient(a, Pieces([handle(True), handle(True)])).completed()
+    assert not PendingGradient(a, lambda: None, sparse=True).completed()
+    assert not PendingGradient(a, lambda: None, sparse=True).wait_passive()
+    assert not PendingGradient(a, Pieces([handle(True), handle(False, False)])).wait_passive()
+    assert PendingGradient(a, Pieces([handle(True), handle(False, True)])).wait_passive()
+    assert PendingGradient((a, b), handle(True)).params == (a, b)
+    assert PendingGradient(a, handle(True)).params == (a,)

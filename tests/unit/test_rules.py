@@ -61,8 +61,6 @@ PRIVATE_READS = {
     "gpucheck/engine_check.py": {"_sleep"},
     "runner/args.py": {"_actions"},
     "torch/_tensor.py": {"_tensor"},
-    "torch/adasum.py": {"_compression", "_handles", "_opt", "_parameter_names",
-                        "_requires_update", "_spec"},
     "torch/autograd.py": {"_allreduce_now", "_base_name", "_grouped_allreduce_submit"},
     # torch's c10d registry has no public way to declare a backend's devices or to drop a
     # group that failed in its creator (issue 41: dcp.async_save needs the CPU device)
@@ -72,11 +70,7 @@ PRIVATE_READS = {
     "torch/c10d/movement.py": {"_kw", "_merge", "_route", "_what", "_work"},
     "torch/c10d/p2p.py": {"_keep", "_timeout", "_what"},
     "torch/collectives.py": {"_reset_hooks"},
-    "torch/cross_barrier.py": {"_finish", "_groups", "_handles", "_hook_handles", "_opt",
-                               "_parameter_names", "_priority", "_requires_update",
-                               "_should_synchronize", "_submit_missing"},
     "torch/elastic/state.py": {"_handlers"},
-    "torch/functions.py": {"_opt"},
     # torch's profiler has no public enter/exit for a range that spans two calls (issue 38)
     "torch/profiler_ranges.py": {"_is_profiler_enabled", "_record_function_enter_new",
                                  "_record_function_exit"},

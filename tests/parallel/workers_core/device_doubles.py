@@ -137,7 +137,7 @@ def check_torch() -> None:
     for i, p in enumerate(model.parameters()):
         p.grad = cuda_tensor(torch.full_like(p, float(R + i)))
         if N > 1:
-            opt._on_grad(p)                   # what the post-accumulate-grad hook does
+            opt.on_gradient(p)                # what the post-accumulate-grad hook does
     opt.step()
     for i, (p, p0) in enumerate(zip(model.parameters(), before)):
         assert torch.allclose(p.detach(), p0 - ((N - 1) / 2 + i)), (p, p0)

@@ -211,8 +211,9 @@ def priority_follows_forward_order() -> None:
     x, y = batch(0)
     F.cross_entropy(model(x), y).backward()
     expect = {p: i + 1 for i, p in enumerate(model.parameters())}   # Linear 0, then Linear 2
-    check(opt._priority == expect, f"priorities {list(opt._priority.values())}")
-    check(opt._prepared_priority == expect, "prepared allreduces carry the priorities")
+    priorities = opt.reducer.priorities
+    check(priorities == expect, f"priorities {list(priorities.values())}")
+    check(opt.reducer._prepared_priority == expect, "prepared allreduces carry the priorities")
     opt.step()
     opt.synchronize()
 
@@ -225,7 +226,8 @@ def priority_mismatch_fails_on_every_rank() -> None:
     x, y = batch(0)
     out = model(x)
     if R == 1:
-        opt._priority = {p: v + 10 for p, v in opt._priority.items()}
+        priorities = opt.reducer.priorities
+        priorities.update({p: v + 10 for p, v in priorities.items()})
     F.cross_entropy(out, y).backward()
     opt.step()
     raises(Exception, opt.synchronize, "priority mismatch", match="has priority")

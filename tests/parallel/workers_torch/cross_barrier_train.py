@@ -28,7 +28,7 @@ import lightcc.torch as hvd
 
 STEPS, ADD = 20, 10
 MODE, SET, OUT = sys.argv[1], sys.argv[2], sys.argv[3]
-import lightcc.torch.cross_barrier as _xb  # noqa: E402
+import lightcc.torch.optimizer.cross_barrier as _xb  # noqa: E402
 
 PARTITION_BYTES = _xb.PARTITION_BYTES      # put back at the end (a shared job's next case)
 if os.environ.get("XBAR_PARTITION"):     # cross-barrier mode cuts gradients into tiny pieces

@@ -1,7 +1,8 @@
 """``DistributedOptimizer(...)``: horovod.torch's factory, its checks and its defaults.
 
-The optimizer it returns is a :class:`~.distributed_optimizer._DistributedOptimizer` (how
-gradients are reduced while backward runs is described there).
+The optimizer it returns is a :class:`~.barrier.BarrierOptimizer` (how gradients are reduced
+while backward runs is described there), a :class:`~.cross_barrier.CrossBarrierOptimizer`
+(``cross_barrier=True``) or, for ``op=Adasum`` on more than one rank, :mod:`.adasum`'s.
 """
 from __future__ import annotations
 
@@ -10,11 +11,11 @@ from typing import Any
 
 import torch
 
-from ..common import api as _api
-from ..common.api import Adasum, Average, global_process_set
-from ..common.exceptions import InvalidArgumentError
-from .compression import Compression
-from .distributed_optimizer import _DistributedOptimizer
+from ...common import api as _api
+from ...common.api import Adasum, Average, global_process_set
+from ...common.exceptions import InvalidArgumentError
+from ..compression import Compression
+from .barrier import BarrierOptimizer
 
 
 def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Any = None,
@@ -22,7 +23,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Any
                          op: Any = Average, gradient_predivide_factor: float = 1.0,
                          num_groups: int = 0, groups: Any = None, sparse_as_dense: bool = False,
                          process_set: Any = global_process_set, cross_barrier: bool = False,
-                         model: Any = None) -> _DistributedOptimizer:
+                         model: Any = None) -> BarrierOptimizer:
     """Wrap ``optimizer`` so that ``step()`` applies gradients averaged over all ranks.
 
     Arguments follow ``horovod.torch.DistributedOptimizer``: ``named_parameters`` (names for
@@ -31,7 +32,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Any
     bucket, or a Horovod-style compressor applied per tensor; when not given, the default set
     by ``LCC_COMPRESSION`` / ``lccrun --compression``, else none), ``backward_passes_per_step`` (local accumulation before reducing; gradients are
     summed over passes, not averaged), ``op`` (Average or Sum; Adasum reduces parameter
-    updates instead, see ``torch/adasum.py``), ``gradient_predivide_factor``
+    updates instead, see ``torch/optimizer/adasum.py``), ``gradient_predivide_factor``
     (scale by 1/f before the sum and f/size after; Average only), ``groups``/``num_groups``
     (reduce these parameters together), ``sparse_as_dense`` and ``process_set``. Call
     ``synchronize()`` before modifying gradients (clipping, ``GradScaler.unscale_``), then
@@ -51,7 +52,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Any
         _check_groups(groups)
     if backward_passes_per_step <= 0:
         raise ValueError("backward_passes_per_step must be > 0")
-    if isinstance(optimizer, _DistributedOptimizer):
+    if isinstance(optimizer, BarrierOptimizer):
         raise ValueError("optimizer is already a DistributedOptimizer")
     if compression is None:
         compression = default_compression()
@@ -69,11 +70,11 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Any
                                      groups, sparse_as_dense, process_set)
     if model is not None:
         raise InvalidArgumentError("model= is only used with cross_barrier=True")
-    if op == Adasum and _api.size() > 1:      # reduces parameter deltas: torch/adasum.py
+    if op == Adasum and _api.size() > 1:      # reduces parameter deltas: adasum.py
         from .adasum import adasum_optimizer
         return adasum_optimizer(optimizer, named_parameters, compression,
                                 backward_passes_per_step, process_set, groups)
-    return _DistributedOptimizer(optimizer, named_parameters, compression,
+    return BarrierOptimizer(optimizer, named_parameters, compression,
                                  backward_passes_per_step, op, gradient_predivide_factor, groups,
                                  sparse_as_dense, process_set)
 

@@ -7,15 +7,22 @@ parameters that module owns and applies the wrapped optimizer's update to them w
 hyperparameters, so every parameter forward *t+1* reads holds exactly (bitwise) barrier
 mode's update of step *t*, while later layers' gradients are still on the wire. Whatever else
 reads parameters or optimizer state drains every pending update first. docs/cross-barrier.md.
+
+Built on :class:`~.barrier.BarrierOptimizer`'s public surface only: ``start_all()`` hands
+over the step's reductions (:class:`~.reducer.PendingGradient`), ``reducer.finish()`` waits
+for one, ``reducer.priorities`` orders them, ``on_gradient()`` is the hook extended here,
+``watched``, ``should_synchronize``, ``step_pending`` and ``wrapped`` (the torch optimizer).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from ..common.exceptions import InvalidArgumentError
-from .distributed_optimizer import _DistributedOptimizer
+from ...common.exceptions import InvalidArgumentError
+from .barrier import BarrierOptimizer
+from .reducer import PendingGradient
 
 # torch.optim classes whose update of a parameter reads only that parameter, its gradient and
 # its own state: stepping them on a subset of the parameters gives the same bits.
@@ -52,45 +59,15 @@ def check_optimizer(optimizer: torch.optim.Optimizer) -> None:
             f"time: use cross_barrier=False")
 
 
-def _await(handle: Any) -> bool:
-    """Wait for a reduction without driving an eager engine (its background thread executes
-    the buckets back to back; this thread wakes when its own is done). False, without
-    waiting, in lazy mode and for anything else: ``Handle.wait`` (which drives) does it."""
-    for h in getattr(handle, "handles", None) or (handle,):
-        if getattr(h, "is_done", False) is True:
-            continue
-        wait = getattr(h, "wait_passive", None)
-        if wait is None or not wait():
-            return False
-    return True
+@dataclass(eq=False, slots=True)
+class _PendingUpdate:
+    """A parameter's update waiting for its reduction: the reduction, the gradient tensor
+    being reduced and the index and hyperparameters of its param_group at ``step()``."""
 
-
-def _completed(handle: Any) -> bool:
-    """Has this reduction's handle (a Handle, or a gradient's pieces) completed? Never waits;
-    False for what it cannot tell."""
-    pieces = getattr(handle, "handles", None)
-    if pieces is not None:
-        return all(getattr(h, "is_done", False) for h in pieces)
-    return getattr(handle, "is_done", False) is True
-
-
-class _Reduction:
-    """One started reduction (a parameter, or a group reduced together) and its outcome."""
-
-    __slots__ = ("done", "handle", "info", "key")
-
-    def __init__(self, key: Any, handle: Any, info: Any) -> None:
-        self.key, self.handle, self.info, self.done = key, handle, info, False
-
-
-class _Pending:
-    """A parameter's update waiting for its reduction: the gradient tensor being reduced and
-    the hyperparameters of its param_group at ``step()``."""
-
-    __slots__ = ("grad", "group", "hyper", "reduction")
-
-    def __init__(self, reduction: _Reduction, grad: Any, group: int, hyper: dict) -> None:
-        self.reduction, self.grad, self.group, self.hyper = reduction, grad, group, hyper
+    reduction: PendingGradient
+    grad: Any
+    group: int
+    hyper: dict
 
 
 def _snapshot(group: dict) -> dict:
@@ -100,15 +77,14 @@ def _snapshot(group: dict) -> dict:
             for k, v in group.items() if k != "params"}
 
 
-class CrossBarrierOptimizer(_DistributedOptimizer):
+class CrossBarrierOptimizer(BarrierOptimizer):
     """See ``DistributedOptimizer(..., cross_barrier=True, model=...)``."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, model: torch.nn.Module,
                  *args: Any) -> None:
         check_optimizer(optimizer)
-        super().__init__(optimizer, *args)
-        self._partition_bytes = PARTITION_BYTES
-        self._pending: dict = {}              # parameter -> _Pending
+        super().__init__(optimizer, *args, partition_bytes=PARTITION_BYTES)
+        self._pending: dict = {}              # parameter -> _PendingUpdate
         self._orders: dict = {}               # param group index -> (params, positions)
         self._module_hooks: list = []
         self._plan: dict = {}                 # module -> parameters its pre-hook applies
@@ -128,7 +104,7 @@ class CrossBarrierOptimizer(_DistributedOptimizer):
         those owned only by modules that forward never called (``nn.MultiheadAttention``
         reads ``out_proj.weight`` without calling ``out_proj``; a model may read
         ``self.pos.weight``): the nearest called ancestor applies them."""
-        wanted = set(self._requires_update) if wanted is None else wanted
+        wanted = set(self.watched) if wanted is None else wanted
         for module in model.modules():
             own = [p for p in module.parameters(recurse=False) if p in wanted]
             if module not in self._plan:
@@ -154,10 +130,10 @@ class CrossBarrierOptimizer(_DistributedOptimizer):
                 self._claimed.difference_update(self._plan[module])
             else:
                 self._plan[up] = list(dict.fromkeys(self._plan[up] + self._plan[module]))
-                first = min((self._priority[p] for p in self._plan[up] if p in self._priority),
-                            default=0)
+                priority = self.reducer.priorities
+                first = min((priority[p] for p in self._plan[up] if p in priority), default=0)
                 for p in self._plan[module]:     # needed when ``up`` starts
-                    self._priority.setdefault(p, first)
+                    priority.setdefault(p, first)
         self._called.clear()
         self._owners = None
 
@@ -176,8 +152,9 @@ class CrossBarrierOptimizer(_DistributedOptimizer):
         def pre_forward(mod: Any, args: Any) -> None:
             called.add(mod)
             if self._learning:
+                priority = self.reducer.priorities
                 for p in plan[mod]:        # forward order: the next forward's needs go first
-                    self._priority.setdefault(p, len(self._priority) + 1)
+                    priority.setdefault(p, len(priority) + 1)
             if self._pending:
                 pending = self._pending
                 own = [p for p in plan[mod] if p in pending]
@@ -187,29 +164,29 @@ class CrossBarrierOptimizer(_DistributedOptimizer):
         disable = getattr(getattr(torch, "_dynamo", None), "disable", None)
         return disable(pre_forward) if disable is not None else pre_forward
 
-    def _on_grad(self, p: torch.Tensor) -> None:
+    def on_gradient(self, p: torch.Tensor) -> None:
+        """Refuse a gradient computed from a parameter whose update is still pending."""
         if p in self._pending or (p in self._swept and not self._owner_called(p)):
-            name = self._parameter_names.get(p, "?")
+            name = self.reducer.names.get(p, "?")
             raise InvalidArgumentError(
                 f"cross_barrier: parameter '{name}' got a gradient while its update from the "
                 f"previous step was still pending: forward read it without calling the module "
                 f"that owns it, so it saw the old value. Call optimizer.synchronize() before "
                 f"such a forward, or use cross_barrier=False")
-        super()._on_grad(p)
+        super().on_gradient(p)
 
     # ---- applying updates -------------------------------------------------------------------
-    def _finish_reduction(self, red: _Reduction) -> None:
+    def _finish_reduction(self, red: PendingGradient) -> None:
         """Wait for one reduction and leave each member's reduced gradient in its pending
         record (the parameter's own ``.grad`` may already be a new step's)."""
-        if red.done:
+        if red.finished:
             return
-        red.done = True
-        members = red.key if isinstance(red.key, tuple) else (red.key,)
+        members = red.params
         saved = [p.grad for p in members]
         try:
             for p in members:
                 p.grad = self._pending[p].grad
-            self._finish(red.key, red.handle, red.info)
+            self.reducer.finish(red)
             for p in members:
                 self._pending[p].grad = p.grad
         finally:
@@ -226,30 +203,30 @@ class CrossBarrierOptimizer(_DistributedOptimizer):
         reds = list({id(r): r for r in (pending[p].reduction for p in params)}.values())
         wanted = set(params)
         while True:
-            left = [r for r in reds if not (r.done or _completed(r.handle))]
+            left = [r for r in reds if not (r.finished or r.completed())]
             if not left:
                 break
             extra = self._completed_extras(wanted, SWEEP_CHUNK)
             if extra:
                 self._swept.update(extra)
                 self._apply(extra)
-            elif not _await(left[0].handle):     # lazy mode: Handle.wait drives, below
+            elif not left[0].wait_passive():     # lazy mode: Handle.wait drives, below
                 break
         for red in reds:
             self._finish_reduction(red)
-        priority = self._priority
+        priority = self.reducer.priorities
         near = max(priority.get(p, 0) for p in params) + SWEEP_AHEAD
         extra = self._completed_extras(wanted, None, near)
         self._swept.update(extra)      # applied before their module is called: a read by
-        self._apply(params + extra)    # another module is checked in _on_grad
+        self._apply(params + extra)    # another module is checked in on_gradient
 
     def _completed_extras(self, wanted: set, most: int | None = None,
                           up_to: int | None = None) -> list:
         """Pending parameters outside ``wanted`` whose reductions completed (and whose
         forward-order priority is at most ``up_to``), first needed first, at most ``most``."""
-        priority = self._priority
+        priority = self.reducer.priorities
         done = [p for p, rec in self._pending.items()
-                if p not in wanted and (rec.reduction.done or _completed(rec.reduction.handle))
+                if p not in wanted and (rec.reduction.finished or rec.reduction.completed())
                 and (up_to is None or priority.get(p, 0) <= up_to)]
         done.sort(key=lambda p: priority.get(p, 0))
         return done if most is None else done[:most]
@@ -271,15 +248,16 @@ class CrossBarrierOptimizer(_DistributedOptimizer):
             order = self._order(index)
             members.sort(key=order.__getitem__)
             groups.append({**hyper, "params": members})
-        original = self._opt.param_groups
+        opt = self.wrapped
+        original = opt.param_groups
         saved = [p.grad for p in params]
         try:
             for p, rec in zip(params, pend):
                 p.grad = rec.grad
-            self._opt.param_groups = groups
-            self._opt.step()
+            opt.param_groups = groups
+            opt.step()
         finally:
-            self._opt.param_groups = original
+            opt.param_groups = original
             for p, g in zip(params, saved):
                 p.grad = g
             for p in params:
@@ -287,7 +265,7 @@ class CrossBarrierOptimizer(_DistributedOptimizer):
 
     def _order(self, index: int) -> dict:
         """Parameter -> position in param group ``index`` (rebuilt when its list changes)."""
-        params = self._opt.param_groups[index]["params"]
+        params = self.wrapped.param_groups[index]["params"]
         cached = self._orders.get(index)
         if cached is None or cached[0] is not params or len(cached[1]) != len(params):
             cached = self._orders[index] = (params, {p: i for i, p in enumerate(params)})
@@ -305,7 +283,7 @@ class CrossBarrierOptimizer(_DistributedOptimizer):
         (inside ``skip_synchronize()``) updates every parameter at once, as barrier mode does:
         the sync point for gradient clipping and ``GradScaler.unscale_``."""
         self._drain()
-        if self._handles:
+        if self.step_pending:
             super().synchronize()
 
     def step(self, closure: Any = None) -> Any:
@@ -315,8 +293,8 @@ class CrossBarrierOptimizer(_DistributedOptimizer):
                                        "parameters)")
         self._drain()                  # updates no forward used since the last step()
         self._swept.clear()
-        if not self._should_synchronize or not self.process_set.included() or \
-                not self._watching():
+        if not self.should_synchronize or not self.process_set.included() or \
+                not self.watched:
             # After an explicit synchronize() (clipping, GradScaler), or nothing to reduce:
             # the barrier-mode step.
             if not self._learning:
@@ -325,47 +303,27 @@ class CrossBarrierOptimizer(_DistributedOptimizer):
         if self._learning:
             self._adopt_orphans()
         self._called.clear()
-        self._start_missing()
-        hyper = [_snapshot(g) for g in self._opt.param_groups]
-        group_of = {p: i for i, g in enumerate(self._opt.param_groups) for p in g["params"]}
-        reductions = [_Reduction(key, h, info) for key, (h, info) in self._handles.items()]
-        self._handles.clear()
-        self._reset_counts()
+        reductions = self.start_all()
+        groups = self.wrapped.param_groups
+        hyper = [_snapshot(g) for g in groups]
+        group_of = {p: i for i, g in enumerate(groups) for p in g["params"]}
         for red in reductions:
-            for p in (red.key if isinstance(red.key, tuple) else (red.key,)):
+            for p in red.params:
                 i = group_of[p]
-                self._pending[p] = _Pending(red, p.grad, i, hyper[i])
-        self._synchronized = False
+                self._pending[p] = _PendingUpdate(red, p.grad, i, hyper[i])
         unclaimed = [p for p in self._pending if p not in self._claimed]
         self._apply(unclaimed)         # no forward hook would wait for these: update now
         return None
 
-    def _watching(self) -> bool:
-        return bool(self._requires_update) and bool(self._hook_handles)
-
-    def _start_missing(self) -> None:
-        """Start the reductions backward did not start (barrier mode's synchronize, without
-        the waiting)."""
-        for key in [k for k, (h, _) in self._handles.items() if h is None]:
-            del self._handles[key]
-        self._submit_missing()
-
-    def _reset_counts(self) -> None:
-        if self.backward_passes_per_step != 1:
-            self._allreduce_delay = dict.fromkeys(self._allreduce_delay,
-                                                  self.backward_passes_per_step)
-        if self._groups is not None:
-            self._group_counts = dict.fromkeys(self._group_counts, 0)
-
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero (or drop) every gradient; one still being reduced is left to its pending
         update, and the parameter gets a new one."""
-        if self._handles:
+        if self.step_pending:
             super().zero_grad(set_to_none)      # raises: backward done, step() not called
         for p in self._pending:
             if self._pending[p].grad is p.grad:
                 p.grad = None if set_to_none else torch.zeros_like(p)
-        self._opt.zero_grad(set_to_none=set_to_none)
+        self.wrapped.zero_grad(set_to_none=set_to_none)
 
     def state_dict(self) -> dict:
         self._drain()
@@ -378,9 +336,9 @@ class CrossBarrierOptimizer(_DistributedOptimizer):
     def add_param_group(self, param_group: dict) -> None:
         """Drain, add the group, and hook the modules of ``model`` that own its parameters."""
         self._drain()
-        known = set(self._requires_update)
+        known = set(self.watched)
         super().add_param_group(param_group)
-        new = set(self._requires_update) - known
+        new = set(self.watched) - known
         if new:
             self._hook_model(self._model, new)
 

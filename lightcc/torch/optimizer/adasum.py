@@ -18,37 +18,50 @@ in ``step()``. ``synchronize()`` does nothing and ``skip_synchronize()`` raises,
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 from typing import Any, Iterator
 
 import torch
 
-from ..common.api import Adasum, global_process_set
-from ..common.exceptions import InvalidArgumentError
-from . import mpi_ops as _ops
-from .compression import Compression, per_tensor, spec_of
-from .distributed_optimizer import _DistributedOptimizer
+from ...common.api import Adasum, global_process_set
+from ...common.exceptions import InvalidArgumentError
+from .. import mpi_ops as _ops
+from ..compression import Compression, per_tensor, spec_of
+from .barrier import BarrierOptimizer
 
 
-class _DistributedAdasumOptimizer(_DistributedOptimizer):
+@dataclass(eq=False, slots=True)
+class _Delta:
+    """The Adasum reduction of one parameter's update: the torch API's handle and the
+    per-tensor compressor's context (None without one)."""
+
+    handle: int
+    ctx: Any
+
+
+class _DistributedAdasumOptimizer(BarrierOptimizer):
     """See the module docstring and :func:`lightcc.torch.DistributedOptimizer`."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, named_parameters: Any,
                  compression: Any, backward_passes_per_step: int) -> None:
         self._start: dict = {}           # parameter -> its value before the local step
+        self._deltas: dict = {}          # parameter -> its _Delta, started this step
         super().__init__(optimizer, named_parameters, compression, backward_passes_per_step,
                          Adasum, 1.0, None, False, global_process_set)
 
-    def _on_grad(self, p: torch.Tensor) -> None:
+    @property
+    def step_pending(self) -> bool:
+        return bool(self._deltas) or super().step_pending
+
+    def on_gradient(self, p: torch.Tensor) -> None:
         """Post-accumulate-grad hook: after the last backward pass, step ``p`` locally and
         start the Adasum reduction of its update."""
-        prev = self._handles.get(p)
-        if prev is not None and prev[0] is not None:
+        if p in self._deltas:
             raise AssertionError("Gradients were computed more than backward_passes_per_step "
                                  "times before call to step(). Increase "
                                  "backward_passes_per_step to accumulate gradients locally.")
-        left = self._allreduce_delay[p] - 1
-        self._allreduce_delay[p] = left
-        self._handles[p] = self._submit_delta(p) if left == 0 else (None, None)
+        if self.count_pass(p):
+            self._deltas[p] = self._submit_delta(p)
 
     def _step_alone(self, p: torch.Tensor) -> None:
         """The wrapped optimizer's step on ``p`` only (the other parameters hidden from it)."""
@@ -56,12 +69,12 @@ class _DistributedAdasumOptimizer(_DistributedOptimizer):
         try:
             for group in self.param_groups:
                 group["params"] = [p] if any(q is p for q in group["params"]) else []
-            self._opt.step()
+            self.wrapped.step()
         finally:
             for group, params in zip(self.param_groups, saved):
                 group["params"] = params
 
-    def _submit_delta(self, p: torch.Tensor) -> tuple[Any, Any]:
+    def _submit_delta(self, p: torch.Tensor) -> _Delta:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
         start = self._start.get(p)
@@ -70,12 +83,12 @@ class _DistributedAdasumOptimizer(_DistributedOptimizer):
         start.copy_(p.data)
         self._step_alone(p)
         p.data.sub_(start)                     # p holds the delta until step()
-        if self._spec is None:                 # Horovod-style per-tensor compressor
-            delta, ctx = self._compression.compress(p.data)
+        reducer = self.reducer
+        if reducer.spec is None:               # Horovod-style per-tensor compressor
+            delta, ctx = reducer.compression.compress(p.data)
         else:
             delta, ctx = p.data, None
-        handle = _ops.allreduce_async_(delta, name=self._parameter_names[p], op=Adasum)
-        return handle, ctx
+        return _Delta(_ops.allreduce_async_(delta, name=reducer.names[p], op=Adasum), ctx)
 
     def synchronize(self) -> None:
         """Nothing to do: Adasum's reductions are finished by ``step()`` (as in Horovod)."""
@@ -89,23 +102,26 @@ class _DistributedAdasumOptimizer(_DistributedOptimizer):
     def step(self, closure: Any = None) -> Any:
         """Reduce every parameter's update with Adasum and apply it (``p = start + delta``)."""
         loss = closure() if closure is not None else None
+        deltas, reducer = self._deltas, self.reducer
         try:
-            for p in self._requires_update:
-                handle = self._handles.get(p, (None, None))[0]
-                if handle is None:             # no gradient (or too few passes) yet: do it now
-                    self._handles[p] = self._submit_delta(p)
-            for p, (handle, ctx) in self._handles.items():
-                delta = _ops.synchronize(handle)
-                if self._spec is None:
-                    delta = self._compression.decompress(delta, ctx)
+            for p in self.watched:
+                if p not in deltas:            # no gradient (or too few passes) yet: do it now
+                    deltas[p] = self._submit_delta(p)
+            for p, pending in deltas.items():
+                delta = _ops.synchronize(pending.handle)
+                if reducer.spec is None:
+                    delta = reducer.compression.decompress(delta, pending.ctx)
                 start = self._start[p]
                 start.add_(delta.to(start.dtype))
                 p.data.copy_(start)
         finally:
-            self._handles.clear()
-            self._allreduce_delay = dict.fromkeys(self._allreduce_delay,
-                                                  self.backward_passes_per_step)
+            deltas.clear()
+            self.restart_counts()
         return loss
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self._deltas.clear()
+        super().load_state_dict(state_dict)
 
 
 def adasum_optimizer(optimizer: torch.optim.Optimizer, named_parameters: Any, compression: Any,

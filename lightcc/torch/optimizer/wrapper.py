@@ -12,14 +12,19 @@ from typing import Any
 
 import torch
 
-from ..common import api as _api
-from .objects import broadcast_object
+from ...common import api as _api
+from ..objects import broadcast_object
 
 
 class WrappedOptimizer(torch.optim.Optimizer):
     """An optimizer that delegates its state to ``self._opt`` (set by the subclass)."""
 
     _opt: torch.optim.Optimizer
+
+    @property
+    def wrapped(self) -> torch.optim.Optimizer:
+        """The torch optimizer this wrapper stands for (its ``step()`` does no allreduce)."""
+        return self._opt
 
     @property
     def param_groups(self) -> list[dict]:
