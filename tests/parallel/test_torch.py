@@ -39,7 +39,7 @@ def test_collectives_autograd_errors_join_process_sets(job):
 
 def test_distributed_optimizer_broadcasts_and_sync_batch_norm(job):
     out = job.output(2, "check_train")
-    assert out.count("OK 15 cases") == 2, out[-4000:]
+    assert out.count("OK 16 cases") == 2, out[-4000:]
 
 
 @pytest.mark.parametrize("overlap", ["0", "1"], ids=["lazy", "background"])

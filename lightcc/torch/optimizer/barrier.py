@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import time
 import warnings
+import weakref
 from typing import Any, Iterator
 
 import torch
@@ -179,7 +180,7 @@ class BarrierOptimizer(WrappedOptimizer):
 
     def _watch(self, p: torch.Tensor) -> None:
         self._requires_update[p] = None
-        self._hook_handles.append(p.register_post_accumulate_grad_hook(self.on_gradient))
+        self._hook_handles.append(p.register_post_accumulate_grad_hook(_weak_hook(self)))
 
     def _submit_missing(self) -> None:
         """Start the allreduces of the parameters (or groups) that no reduction covers yet."""
@@ -291,3 +292,18 @@ class BarrierOptimizer(WrappedOptimizer):
         if self.reducer.spec in (None, "none") or not _api.is_initialized():
             return None
         return _api.compressor(self.process_set, self.reducer.spec, create)
+
+
+def _weak_hook(opt: "BarrierOptimizer") -> Any:
+    """The gradient hook of ``opt``, holding it weakly. torch keeps a tensor's hooks on its C++
+    side, out of sight of Python's cycle collector, so a hook holding the optimizer (which holds
+    the parameters) kept every DistributedOptimizer a script dropped alive, and still reducing
+    its gradients. Once ``opt`` is gone its hooks do nothing."""
+    ref = weakref.ref(opt)
+
+    def hook(p: torch.Tensor) -> None:
+        live = ref()
+        if live is not None:
+            live.on_gradient(p)
+
+    return hook

@@ -6,7 +6,9 @@ concatenated batch) is computed locally and compared parameter by parameter.
 from __future__ import annotations
 
 import copy
+import gc
 import warnings
+import weakref
 
 import torch
 import torch.nn as nn
@@ -356,6 +358,37 @@ def case_sparse():
         close(emb.weight, ref.weight, f"sparse embedding (as_dense={as_dense})")
 
 
+def case_dropped_optimizer_is_freed_and_a_new_one_trains_alone():
+    """A DistributedOptimizer the script drops is freed, and a new one on the same model is the
+    only one that reduces (torch keeps gradient hooks where Python's collector cannot see the
+    cycle through them: a hook holding the optimizer kept every dropped one alive, reducing)."""
+    model, ref = make_model(), make_model()
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+
+    def step(opt, k):
+        x, y = batch(R, k)
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+        fx, fy = full_batch(k)
+        ref_opt.zero_grad()
+        F.cross_entropy(ref(fx), fy).backward()
+        ref_opt.step()
+
+    first = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                     named_parameters=model.named_parameters())
+    step(first, 0)
+    gone = weakref.ref(first)
+    del first
+    gc.collect()
+    check(gone() is None, "a dropped DistributedOptimizer is still alive")
+    second = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                      named_parameters=model.named_parameters())
+    for k in (1, 2):
+        step(second, k)
+    same_params(model, ref, "a second optimizer on the same model")
+
+
 def case_sync_batch_norm():
     sizes = [3 + 2 * r for r in range(N)]
     xs = [torch.randn(n, 4, 3, 2, generator=torch.Generator().manual_seed(r)) * (r + 1) + r
@@ -391,4 +424,5 @@ if __name__ == "__main__":
          case_second_pass_with_one_pass_per_step,
          case_unused_parameter_and_zero_grad, case_synchronize_warns_once, case_grad_scaler,
          case_name_errors, case_broadcast_state, case_state_dict_roundtrip,
-         case_compression_and_custom, case_sparse, case_sync_batch_norm])
+         case_compression_and_custom, case_sparse,
+         case_dropped_optimizer_is_freed_and_a_new_one_trains_alone, case_sync_batch_norm])
