@@ -146,6 +146,22 @@ def bounds(ph: dict, w: float) -> tuple[float, float]:
     return f + max(b, w) + o, max(f + b + o, w)
 
 
+
+def plot_bounds(rows: list[dict]) -> dict[str, dict[str, float]]:
+    """Per model, the uncompressed barrier and cross-barrier bounds as images/s (all ranks), for
+    a throughput plot's marks: ``batch x world / bound`` (models without phases are left out)."""
+    out: dict[str, dict[str, float]] = {}
+    for r in rows:
+        ph = r.get("phases")
+        w = wire_seconds(ph, "") if ph else None
+        if ph is None or w is None:
+            continue
+        bar, xbar = bounds(ph, w)
+        n = ph["batch"] * ph["world"]
+        out[r["model"]] = {"barrier bound": n / bar, "cross-barrier bound": n / xbar} \
+            if bar != xbar else {"bound (barrier = cross-barrier)": n / bar}
+    return out
+
 def host_work(ph: dict) -> float:
     """O (s): the median step with communication off minus F and B (never below 0)."""
     return max(0.0, ph.get("step", ph["F"] + ph["B"]) - ph["F"] - ph["B"])

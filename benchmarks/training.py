@@ -887,7 +887,7 @@ def main() -> None:
     if args.plot:
         from plots import plot_training
 
-        plot_training(rows, args.plot)
+        plot_training(rows, args.plot, benchtable.plot_bounds(rows))
         print(f"plot: {args.plot}")
 
 

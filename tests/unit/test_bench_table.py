@@ -70,3 +70,15 @@ def test_rss_table_compares_the_largest_rank_with_ddp():
         _rows("m", "lightcc", [1, 1], rss=[150.0, 230.0])
     out = bt.rss_table(rows, ["lightcc", "ddp"], "ddp")
     assert "| m | lightcc | 150 / 230 | 1.15x |" in out
+
+
+def test_plot_bounds_are_images_per_second_at_the_uncompressed_bounds():
+    # hand-worked: F 40 + B 80 + O 30 ms, W = 2 (2-1)/2 x 100 MB / 100 MB/s = 1 s (uncompressed)
+    ph = {"F": 0.040, "B": 0.080, "step": 0.150, "grad_bytes": 100e6, "link_Bps": 100e6,
+          "world": 2, "hosts": 2, "batch": 32}
+    marks = bt.plot_bounds([{"model": "m", "phases": ph}] + _rows("m", "lightcc", [64.0]))
+    assert marks == {"m": {"barrier bound": pytest.approx(64 / 1.070),
+                           "cross-barrier bound": pytest.approx(64 / 1.0)}}
+    ph["link_Bps"] = 1e12                                   # W ~ 0: both bounds are F + B + O
+    marks = bt.plot_bounds([{"model": "m", "phases": ph}])
+    assert marks == {"m": {"bound (barrier = cross-barrier)": pytest.approx(64 / 0.150)}}
