@@ -251,3 +251,17 @@ def test_collectives_match_numpy(size, n):
         assert got["objects"] == [{"r": r} for r in range(size)]
     # every rank holds the same bits of the sum (the owner reduced each block)
     assert all(np.array_equal(out[0]["sum"], out[r]["sum"]) for r in range(size))
+
+
+def test_rank_0_names_the_ranks_it_waits_for_while_it_waits(caplog, monkeypatch):
+    """Issue 38 item 1 without lccrun: while ranks are missing, rank 0 logs how many arrived
+    and which it waits for, every PROGRESS_S seconds, before the timeout's error."""
+    monkeypatch.setattr(rendezvous, "PROGRESS_S", 0.4)
+    with caplog.at_level("WARNING", logger="lightcc"):
+        out = _run_ranks(2, lambda r, s, p: rendezvous.connect(s, r, 3, 2.5, where="here",
+                                                                  prefix=p))
+    assert all(isinstance(out[r], LightCCError) for r in (0, 1)), out
+    lines = [rec.getMessage() for rec in caplog.records if "ranks arrived" in rec.getMessage()]
+    assert len(lines) >= 3, lines                 # 2.5 s of waiting, a line every 0.4 s
+    assert all("rendezvous at here: 2/3 ranks arrived after" in ln and
+               ln.endswith("waiting for ranks [2]") for ln in lines), lines

@@ -64,15 +64,33 @@ def _get(store: Any, key: str, timeout: float, failed_key: str = "") -> bytes | 
 LINGER_S = 1.0
 
 
+#: seconds between rank 0's lines naming the ranks a rendezvous still waits for (the MPI-free
+#: start's counterpart of lccrun's "6/8 ranks up" line)
+PROGRESS_S = 5.0
+
+
 def _gather(store: Any, prefix: str, what: str, size: int, timeout: float,
-            where: str) -> list[Any]:
+            where: str, report: bool = False) -> list[Any]:
     """Every rank's published ``what``; a :class:`LightCCError` naming the ranks missing, the
-    same on every rank (the first to time out publishes it)."""
+    same on every rank (the first to time out publishes it). ``report`` (rank 0): every
+    :data:`PROGRESS_S` seconds of waiting, a log line saying how many ranks arrived and which
+    are missing."""
     out: list[Any] = []
-    deadline = time.monotonic() + timeout
+    start = time.monotonic()
+    deadline, next_line = start + timeout, start + PROGRESS_S
     for r in range(size):
-        raw = _get(store, f"{prefix}{what}/{r}", max(0.0, deadline - time.monotonic()),
-                   prefix + "failed")
+        while True:
+            until = min(deadline, next_line) if report else deadline
+            raw = _get(store, f"{prefix}{what}/{r}", max(0.0, until - time.monotonic()),
+                       prefix + "failed")
+            if raw is not None or time.monotonic() >= deadline:
+                break
+            if time.monotonic() >= next_line:
+                late = [q for q in range(size) if not store.check([f"{prefix}{what}/{q}"])]
+                log.warning("lightcc: rendezvous at %s: %d/%d ranks arrived after %.0f s; "
+                            "waiting for ranks %s", where, size - len(late), size,
+                            time.monotonic() - start, late)
+                next_line += PROGRESS_S
         if raw is None:
             missing = [q for q in range(size) if not store.check([f"{prefix}{what}/{q}"])]
             dup = _get(store, prefix + "duplicate", 0.0)
@@ -104,7 +122,7 @@ def connect(store: Any, rank: int, size: int, timeout: float, control_addr: str 
     store.set(f"{prefix}addr/{rank}", pickle.dumps((listener.getsockname()[1], addrs, host,
                                                     size)))
     try:
-        infos = _gather(store, prefix, "addr", size, timeout, where)
+        infos = _gather(store, prefix, "addr", size, timeout, where, report=rank == 0)
         dup = _get(store, prefix + "duplicate", 0.0)
         if dup:
             raise LightCCError(f"rendezvous at {where}: two processes claim "
