@@ -172,10 +172,10 @@ def test_accelerate_on_an_existing_lightcc_group():
 
 
 def test_horovod_style_torch_api_under_torchrun(tmp_path):
-    """The torch layer's own worker (DistributedOptimizer, broadcasts, SyncBatchNorm; 15 cases,
+    """The torch layer's own worker (DistributedOptimizer, broadcasts, SyncBatchNorm; 16 cases,
     workers_torch/check_train.py) unchanged under torchrun."""
     pytest.importorskip("torch")
     rc, out = torchrun(2, [NO_MPI, "tests/parallel/workers_torch/check_train.py"],
                        env={"LCC_TEST_TMP": str(tmp_path)}, timeout=300)
     assert rc == 0, out[-5000:]
-    assert out.count("OK 15 cases") == 2 and out.count("no-mpi ok") == 2, out[-5000:]
+    assert out.count("OK 16 cases") == 2 and out.count("no-mpi ok") == 2, out[-5000:]
