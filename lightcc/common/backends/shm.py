@@ -20,15 +20,19 @@ copies its chunk ``k`` into its input slot; one barrier; each rank reduces its 1
 chunk across the n inputs, in rank order (the same bits on every rank), into the set's output
 slot, and copies its next chunk in; one barrier; every rank copies chunk ``k``'s output out.
 So a chunk costs one barrier; a rank rewrites a set's input slot only after a barrier that every
-reader of that slot has passed. Barriers are one-byte messages over the links (waits block in
-the kernel, and a socket round trip orders the memory accesses on every architecture).
+reader of that slot has passed. Barriers (:data:`FLAG_BARRIER`): on x86 a flag word per rank in
+the segment, polled with sleeps that grow with the wait (measured in a 2-rank training run:
+0.92x the MPI path's images/s with them, 0.80-0.88x with link messages, whose every barrier
+wakes two threads per rank); elsewhere one-byte messages over the links.
 """
 from __future__ import annotations
 
 import logging
 import mmap
 import os
+import platform
 import secrets
+import time
 from typing import Any, Callable
 
 import numpy as np
@@ -38,6 +42,10 @@ log = logging.getLogger("lightcc")
 #: bytes of the buffer each step moves through the segment (the segment holds 2 (n + 1) of them)
 CHUNK_BYTES = 4 << 20
 DIRECTORY = "/dev/shm"
+FLAG_BYTES = 4096
+#: barriers on flag words in the segment where stores are seen in program order (x86's TSO);
+#: elsewhere one-byte messages over the links, whose syscalls order the memory accesses
+FLAG_BARRIER = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
 
 
 def _create(size: int) -> tuple[str, int] | None:
@@ -82,13 +90,15 @@ class Segment:
     def __init__(self, buf: mmap.mmap, rank: int, size: int, path: str) -> None:
         self._mmap, self.rank, self.size, self.path = buf, rank, size, path
         raw = np.frombuffer(buf, np.uint8)
-        self.slots = raw.reshape(2, size + 1, CHUNK_BYTES)     # [set, input 0..n-1 / output]
+        self.slots = raw[:-FLAG_BYTES].reshape(2, size + 1, CHUNK_BYTES)  # [set, input / output]
+        self._flags = raw[-FLAG_BYTES:].view(np.int64)[:size * 8:8]     # a cache line each
+        self._epoch = 0
 
     @classmethod
     def open(cls, rank: int, size: int, gather: Callable[[Any], list]) -> "Segment | None":
         """The communicator's segment, or None when some member cannot map it (collective:
         ``gather`` is the communicator's ``allgather_object`` over its TCP links)."""
-        nbytes = 2 * (size + 1) * CHUNK_BYTES
+        nbytes = 2 * (size + 1) * CHUNK_BYTES + FLAG_BYTES
         made = _create(nbytes) if rank == 0 else None
         try:
             path = gather(made[0] if made else None)[0]
@@ -135,6 +145,20 @@ class Segment:
                 put(k + 1)
             barrier()
             flat[starts[k]:starts[k] + per] = slot(k, n)
+
+    def barrier(self, check: Callable[[], None]) -> None:
+        """Every member's flag word set to this barrier's number. A wait polls them, sleeping a
+        quarter of the time waited so far (20 us .. 1 ms) between polls, so a long wait costs
+        few wake-ups and a short one little latency; ``check`` raises when a member's link
+        failed (it exited), so a wait never outlives its peer."""
+        self._epoch += 1
+        self._flags[self.rank] = self._epoch
+        start = time.perf_counter()
+        while self._flags.min() < self._epoch:
+            waited = time.perf_counter() - start
+            if waited > 0.01:
+                check()
+            time.sleep(min(max(waited / 4, 20e-6), 1e-3))
 
     def close(self) -> None:
         self.slots = None

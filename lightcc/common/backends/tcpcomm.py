@@ -30,7 +30,7 @@ import numpy as np
 from ..arrays import displacements
 from ..comm import WireStats
 from ..tracing import NULL
-from .shm import Segment
+from .shm import FLAG_BARRIER, Segment
 from .tcp import Links
 
 log = logging.getLogger("lightcc")
@@ -160,11 +160,21 @@ class TCPCommunicator:
         return self._segment  # type: ignore[return-value]
 
     def _shm_barrier(self) -> None:
+        if FLAG_BARRIER:
+            self._segment.barrier(self._links_alive)
+            return
         reqs = [self._recv(np.empty(1, np.uint8), r, SHM_TAG)
                 for r in self._peers() if r != self.rank]
         reqs += [self._send(np.zeros(1, np.uint8), r, SHM_TAG)
                  for r in self._peers() if r != self.rank]
         _wait(reqs)
+
+    def _links_alive(self) -> None:
+        """Raise the error of a member's failed link (that member exited)."""
+        for r in self._peers():
+            peer = self.mesh.peers.get(self.members[r]) if r != self.rank else None
+            if peer is not None and peer.error is not None:
+                raise peer.error
 
     def _exchange_all(self, mine: np.ndarray, every: np.ndarray) -> None:
         reqs = [self._recv(every[r], r, COLL_TAG) for r in self._peers() if r != self.rank]

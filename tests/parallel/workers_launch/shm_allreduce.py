@@ -1,17 +1,25 @@
 """Allreduce through the same-host shared-memory path of the MPI-free plane (backends/shm.py):
 sum/min/max over several dtypes and sizes (below, inside and across the segment's chunk size),
 checked against NumPy's reduction of every rank's input, plus the segment's name gone from
-/dev/shm once mapped. ``SHM_KILL=1``: rank 1 kills itself (SIGKILL) after the checks."""
+/dev/shm once mapped. ``SHM_KILL=1``: rank 1 kills itself (SIGKILL) after the checks;
+``SHM_KILL=mid``: inside the first barrier of a segment allreduce. ``SHM_LINK_BARRIER=1``: the
+barriers other architectures use (one-byte link messages) instead of x86's flag words."""
 import os
 import signal
 
 import numpy as np
 
 import lightcc as lcc
+from lightcc.common.backends import shm, tcpcomm
 from lightcc.common.backends.shm import CHUNK_BYTES
+
+if os.environ.get("SHM_LINK_BARRIER"):
+    tcpcomm.FLAG_BARRIER = False
 
 lcc.init()
 rank, size = lcc.rank(), lcc.size()
+if os.environ.get("SHM_KILL") == "mid" and rank == 1:
+    shm.Segment.barrier = lambda self, check: os.kill(os.getpid(), signal.SIGKILL)
 UFUNC = {"sum": np.add, "min": np.minimum, "max": np.maximum}
 CASES = [("float32", "sum", 1000), ("float32", "sum", 20_011),
          ("float32", "sum", 2 * CHUNK_BYTES // 4 + 7), ("float64", "sum", CHUNK_BYTES // 8 + 3),
@@ -44,6 +52,6 @@ for name in os.listdir("/dev/shm"):
         st = os.stat(os.path.join("/dev/shm", name))
         assert st.st_uid != os.getuid() or st.st_mode & 0o077 == 0, oct(st.st_mode)
 print(f"shm checks passed rank {rank}", flush=True)
-if os.environ.get("SHM_KILL") and rank == 1:
+if os.environ.get("SHM_KILL") == "1" and rank == 1:
     os.kill(os.getpid(), signal.SIGKILL)
 lcc.shutdown()
