@@ -50,3 +50,12 @@ def test_a_rank_killed_inside_a_barrier_is_named_not_waited_for():
     assert "rank 1" in out and "shm checks passed" not in out, out[-6000:]
     for path in _segments(out):
         assert not os.path.exists(path), path
+
+
+def test_ranks_on_hosts_of_different_names_keep_the_links():
+    """Two ranks that share /dev/shm but report different host names (as the netns simulated
+    hosts do) must not use the segment; their results still match NumPy."""
+    codes, out = by_hand(2, [NO_MPI, "--no-torch", WORKER], env={"LCC_LOG_LEVEL": "info"},
+                         per_rank={1: {"SHM_HOST": "elsewhere"}})
+    assert codes == [0, 0] and out.count("shm checks passed") == 2, out[-6000:]
+    assert "reduce through" not in out, out[-6000:]

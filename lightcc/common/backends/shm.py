@@ -12,7 +12,9 @@ every member maps it and says whether it could; rank 0 then unlinks it, whatever
 so the name is gone from ``/dev/shm`` before any data moves and a rank that crashes later
 leaks nothing (the memory is freed when the last process unmaps it). A member that cannot open
 the name (another host, another ``/dev/shm``) makes the whole communicator keep the TCP path.
-``multiprocessing.shared_memory`` is not used: its resource tracker unlinks a segment when any
+Members on hosts of different names never use it, even when they share ``/dev/shm`` (the
+simulated hosts of tests/netns, one network namespace and UTS name each, must cross their
+simulated links). ``multiprocessing.shared_memory`` is not used: its resource tracker unlinks a segment when any
 attached process exits.
 
 Allreduce, in chunks of :data:`CHUNK_BYTES`, two sets of slots used alternately: every rank
@@ -32,6 +34,7 @@ import mmap
 import os
 import platform
 import secrets
+import socket
 import time
 from typing import Any, Callable
 
@@ -101,7 +104,8 @@ class Segment:
         nbytes = 2 * (size + 1) * CHUNK_BYTES + FLAG_BYTES
         made = _create(nbytes) if rank == 0 else None
         try:
-            path = gather(made[0] if made else None)[0]
+            every = gather((made[0] if made else None, socket.gethostname()))
+            path = every[0][0] if len({host for _, host in every}) == 1 else None
             mapped = _map(path, nbytes) if path else None
             every = gather(mapped is not None)
         finally:

@@ -2,10 +2,11 @@
 sum/min/max over several dtypes and sizes (below, inside and across the segment's chunk size),
 checked against NumPy's reduction of every rank's input, plus the segment's name gone from
 /dev/shm once mapped. ``SHM_KILL=1``: rank 1 kills itself (SIGKILL) after the checks;
-``SHM_KILL=mid``: inside the first barrier of a segment allreduce. ``SHM_LINK_BARRIER=1``: the
+``SHM_KILL=mid``: inside the first barrier of a segment allreduce. ``SHM_HOST``: the host name this rank reports. ``SHM_LINK_BARRIER=1``: the
 barriers other architectures use (one-byte link messages) instead of x86's flag words."""
 import os
 import signal
+import socket
 
 import numpy as np
 
@@ -13,6 +14,8 @@ import lightcc as lcc
 from lightcc.common.backends import shm, tcpcomm
 from lightcc.common.backends.shm import CHUNK_BYTES
 
+if os.environ.get("SHM_HOST"):                  # this rank claims to run on another host
+    socket.gethostname = lambda: os.environ["SHM_HOST"]
 if os.environ.get("SHM_LINK_BARRIER"):
     tcpcomm.FLAG_BARRIER = False
 
