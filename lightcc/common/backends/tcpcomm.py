@@ -30,6 +30,7 @@ import numpy as np
 from ..arrays import displacements
 from ..comm import WireStats
 from ..tracing import NULL
+from .shm import FLAG_BARRIER, Segment
 from .tcp import Links
 
 log = logging.getLogger("lightcc")
@@ -39,6 +40,7 @@ SMALL_BYTES = 64 << 10
 TAG_BITS = 44                        # user and algorithm tags: 0 .. 2**44 - 1
 COLL_TAG = 1 << 42                   # the collectives' own messages
 AGREE_TAG = 1 << 40                  # agree(): a channel no data collective uses
+SHM_TAG = 1 << 41                    # the shared-memory path's barriers
 #: the largest point-to-point tag this transport carries (``p2p`` checks tags against it)
 MAX_TAG = (1 << 40) - 1
 _UFUNCS = {"sum": np.add, "min": np.minimum, "max": np.maximum, "prod": np.multiply,
@@ -93,6 +95,7 @@ class TCPCommunicator:
         self.owns_mesh = False               # the job's first communicator closes the mesh
         self.store: Any = None               # the rendezvous store, kept open while it runs
         self.comm = _MPIStyle(self)
+        self._segment: Segment | None | bool = False     # False: not tried yet (see shm)
 
     # -- point to point -----------------------------------------------------------------------
     def _tag(self, tag: int) -> int:
@@ -137,13 +140,41 @@ class TCPCommunicator:
             for r in range(1, self.size):
                 _UFUNCS[op](flat, every[r], out=flat)
             moved = flat.nbytes * (self.size - 1)
+        elif self._shared() is not None and flat.flags.c_contiguous:
+            self._segment.allreduce(flat, _UFUNCS[op], self._shm_barrier)
+            moved = 2 * (self.size - 1) * flat.nbytes // self.size
         else:
-            counts = [len(part) for part in np.array_split(np.arange(flat.size), self.size)]
+            q, extra = divmod(flat.size, self.size)
+            counts = [q + (r < extra) for r in range(self.size)]
             mine = np.empty(counts[self.rank], flat.dtype)
             self._reduce_scatter(flat, mine, counts, op)
             self._allgather(mine, flat, counts)
             moved = 2 * (self.size - 1) * flat.nbytes // self.size
         self.stats.add("allreduce", moved, moved)
+
+    def _shared(self) -> Segment | None:
+        """This communicator's same-host segment (made on first use, collectively), or None
+        when its members are not all on one host (:mod:`.shm`)."""
+        if self._segment is False:
+            self._segment = Segment.open(self.rank, self.size, self.allgather_object)
+        return self._segment  # type: ignore[return-value]
+
+    def _shm_barrier(self) -> None:
+        if FLAG_BARRIER:
+            self._segment.barrier(self._links_alive)
+            return
+        reqs = [self._recv(np.empty(1, np.uint8), r, SHM_TAG)
+                for r in self._peers() if r != self.rank]
+        reqs += [self._send(np.zeros(1, np.uint8), r, SHM_TAG)
+                 for r in self._peers() if r != self.rank]
+        _wait(reqs)
+
+    def _links_alive(self) -> None:
+        """Raise the error of a member's failed link (that member exited)."""
+        for r in self._peers():
+            peer = self.mesh.peers.get(self.members[r]) if r != self.rank else None
+            if peer is not None and peer.error is not None:
+                raise peer.error
 
     def _exchange_all(self, mine: np.ndarray, every: np.ndarray) -> None:
         reqs = [self._recv(every[r], r, COLL_TAG) for r in self._peers() if r != self.rank]
@@ -284,6 +315,9 @@ class TCPCommunicator:
     def free(self) -> None:
         """Close the mesh when this is the job's first communicator (sub-communicators share
         it and free nothing)."""
+        if self._segment:
+            self._segment.close()
+        self._segment = None
         if self.owns_mesh:
             self.mesh.close()
             self.store = None
